@@ -1,0 +1,1 @@
+"""The draft service: a small model proposing tokens for the verify service."""

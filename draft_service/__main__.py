@@ -1,0 +1,5 @@
+import sys
+
+from draft_service.server import main
+
+sys.exit(main())

@@ -1,0 +1,120 @@
+"""The draft model's sessions and proposals. Runs on the draft service's engine thread only."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.engine import run_each
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.runtime import CausalLM, KVCache
+from specdec.sampling import SamplingParams, propose_token
+from specdec.v1 import draft_pb2
+
+
+def draft_seed(request_seed: int) -> int:
+    """The draft's own seed, derived from the request's so that the draft's draws and
+    the verifier's acceptance draws are independent streams (exactness needs that)."""
+    digest = hashlib.sha256(f"specdec-draft:{request_seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass
+class DraftSession:
+    tokens: list[int]  # committed tokens, then the latest proposal
+    committed: int  # how many of `tokens` the verifier has committed
+    cache: KVCache  # covers tokens[:cache.length]
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass(frozen=True)
+class Open:
+    session_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class Propose:
+    session_id: str
+    accepted: int
+    appended_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Close:
+    session_id: str
+
+
+@dataclass
+class Drafter:
+    model: CausalLM
+    support_size: int
+    sessions: dict[str, DraftSession] = field(default_factory=dict)
+    proposals: int = 0
+
+    def execute(self, steps: list[Open | Propose | Close]) -> list[object]:
+        return run_each(steps, {Open: self.open, Propose: self.propose, Close: self.close})
+
+    def open(self, step: Open) -> float:
+        """Creates the session and prefills all but the last prompt token; returns seconds."""
+        if not step.prompt_ids:
+            raise InvalidArgument("prompt_ids: must not be empty")
+        if len(step.prompt_ids) >= self.model.max_positions:
+            raise InvalidArgument(
+                f"prompt_ids: {len(step.prompt_ids)} tokens do not fit the draft's context of {self.model.max_positions}"
+            )
+        if step.session_id in self.sessions:
+            raise FailedPrecondition(f"session {step.session_id!r} is already open")
+        start = time.perf_counter()
+        cache = self.model.new_cache()
+        if len(step.prompt_ids) > 1:
+            self.model.forward(cache, step.prompt_ids[:-1])
+        self.sessions[step.session_id] = DraftSession(
+            tokens=list(step.prompt_ids),
+            committed=len(step.prompt_ids),
+            cache=cache,
+            params=step.params,
+            generator=self.model.new_generator(draft_seed(step.seed)),
+        )
+        return time.perf_counter() - start
+
+    def propose(self, step: Propose) -> list[draft_pb2.DraftToken]:
+        session = self.sessions.get(step.session_id)
+        if session is None:
+            raise NotFound(f"no draft session {step.session_id!r}")
+        proposed = len(session.tokens) - session.committed
+        if step.accepted > proposed:
+            raise InvalidArgument(f"accepted: {step.accepted} exceeds the {proposed} tokens proposed last round")
+        if step.num_tokens < 1:
+            raise InvalidArgument("num_tokens: must be at least 1")
+
+        # Commit what the verifier kept; the cache keeps only positions still valid.
+        kept = session.committed + step.accepted
+        del session.tokens[kept:]
+        session.tokens.extend(step.appended_ids)
+        session.committed = len(session.tokens)
+        session.cache.rollback(min(session.cache.length, kept))
+        if session.committed + step.num_tokens > self.model.max_positions:
+            raise FailedPrecondition(
+                f"{session.committed + step.num_tokens} positions exceed the draft's context of {self.model.max_positions}"
+            )
+
+        tokens: list[draft_pb2.DraftToken] = []
+        for _ in range(step.num_tokens):
+            logits = self.model.forward(session.cache, session.tokens[session.cache.length :])[-1]
+            choice = propose_token(logits, session.params, self.support_size, session.generator)
+            token = draft_pb2.DraftToken(id=choice.id, support_ids=choice.support_ids, support_probs=choice.support_probs)
+            session.tokens.append(token.id)
+            tokens.append(token)
+        self.proposals += 1
+        return tokens
+
+    def close(self, step: Close) -> bool:
+        return self.sessions.pop(step.session_id, None) is not None

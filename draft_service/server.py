@@ -1,0 +1,111 @@
+"""The draft service's gRPC server: `python -m draft_service`."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from draft_service.drafter import Close, Drafter, Open, Propose
+from specdec import defaults
+from specdec.engine import Engine
+from specdec.errors import ServiceError
+from specdec.flags import option, parse_config
+from specdec.runtime import CausalLM, ModelSpec
+from specdec.sampling import SamplingParams
+from specdec.serving import Service, setup_logging
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    listen: str = option(defaults.DRAFT_ADDRESS, "address to serve on: unix:///path or host:port")
+    model: str = option(defaults.DEFAULT_DRAFT, "draft model: local directory or hub id")
+    device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
+    dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
+    support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
+    threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
+    workers: int = option(32, "gRPC handler threads")
+    grace_s: float = option(5.0, "seconds in-flight calls get to finish after SIGTERM")
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, drafter: Drafter, engine: Engine, model_name: str, step_time_s: float) -> None:
+        self._drafter = drafter
+        self._engine = engine
+        self._model_name = model_name
+        self._step_time_s = step_time_s
+
+    def OpenSession(self, request: draft_pb2.OpenSessionRequest, context: grpc.ServicerContext):
+        sampling = request.sampling
+        seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
+        step = Open(request.session_id, list(request.prompt_ids), params, seed)
+        seconds = self._run(step, context)
+        return draft_pb2.OpenSessionResponse(prefill_time_us=int(seconds * 1e6))
+
+    def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext):
+        start = time.perf_counter()
+        step = Propose(request.session_id, request.accepted, list(request.appended_ids), request.num_tokens)
+        tokens = self._run(step, context)
+        return draft_pb2.ProposeResponse(tokens=tokens, compute_time_us=int((time.perf_counter() - start) * 1e6))
+
+    def CloseSession(self, request: draft_pb2.CloseSessionRequest, context: grpc.ServicerContext):
+        return draft_pb2.CloseSessionResponse(existed=self._run(Close(request.session_id), context))
+
+    def GetInfo(self, request: draft_pb2.DraftInfoRequest, context: grpc.ServicerContext):
+        model = self._drafter.model
+        return draft_pb2.DraftInfo(
+            model=self._model_name,
+            parameters=model.parameters,
+            vocab_size=model.vocab_size,
+            max_positions=model.max_positions,
+            device=str(model.device),
+            support_size=self._drafter.support_size,
+            step_time_us=int(self._step_time_s * 1e6),
+            active_sessions=len(self._drafter.sessions),
+            forwards=model.forwards,
+            proposals=self._drafter.proposals,
+        )
+
+    def _run(self, step: object, context: grpc.ServicerContext):
+        try:
+            return self._engine.run(step)
+        except ServiceError as err:
+            context.abort(err.code, str(err))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(
+        DraftConfig, argv, "python -m draft_service", "specdec draft service: proposes draft tokens", "SPECDEC_DRAFT"
+    )
+    log = setup_logging("draft")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype))
+    step_time_s = model.step_time_s()
+    drafter = Drafter(model, config.support_size)
+    engine = Engine(drafter.execute, "draft-engine")
+    service = Service("draft", config.listen, config.workers, config.grace_s)
+    servicer = DraftServicer(drafter, engine, config.model, step_time_s)
+    service.add(
+        draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name,
+        lambda server: draft_pb2_grpc.add_DraftServicer_to_server(servicer, server),
+    )
+    service.start()
+    log.info(
+        "serving %s (%d parameters, step %.2f ms) on %s",
+        config.model,
+        model.parameters,
+        step_time_s * 1e3,
+        config.listen,
+    )
+    service.wait_for_signal()
+    log.info("shutting down")
+    service.stop()
+    engine.stop()
+    return 0

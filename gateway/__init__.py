@@ -1,0 +1,1 @@
+"""The gateway: the public Generation API, tokenization, text deltas and stop sequences."""

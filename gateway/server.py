@@ -1,0 +1,143 @@
+"""The gateway's gRPC server: `python -m gateway`.
+
+Tokenizes and validates requests, calls the verify service's Decode, and turns each
+round into a GenerateResponse: UTF-8-safe text deltas, stop sequences, usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stops import StopMatcher
+from specdec import defaults, requests
+from specdec.errors import InvalidArgument, ServiceError, Unavailable
+from specdec.flags import option, parse_config
+from specdec.serving import Service, channel_options, remaining_timeout, setup_logging
+from specdec.usage import UsageTally
+from specdec.v1 import common_pb2, generation_pb2, generation_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen: str = option(defaults.GATEWAY_ADDRESS, "address to serve the public API on: host:port")
+    verify: str = option(defaults.VERIFY_ADDRESS, "verify service address: host:port or unix:///path")
+    tokenizer: str = option(defaults.DEFAULT_TARGET, "tokenizer of the target model: local directory or hub id")
+    default_max_new_tokens: int = option(64, "max_new_tokens of requests that do not set it")
+    max_stop_sequences: int = option(16, "most stop sequences a request may give")
+    max_stop_length: int = option(256, "longest stop sequence, in characters")
+    workers: int = option(64, "gRPC handler threads (one per streaming request)")
+    grace_s: float = option(5.0, "seconds in-flight streams get to finish after SIGTERM")
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, verify: verify_pb2_grpc.VerifyStub, config: GatewayConfig):
+        self._tokenizer = tokenizer
+        self._verify = verify
+        self._config = config
+
+    def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            decode_request = self._decode_request(request)
+        except ServiceError as err:
+            context.abort(err.code, str(err))
+        call = self._verify.Decode(decode_request, timeout=remaining_timeout(context))
+        context.add_callback(call.cancel)  # a client that leaves frees the verify session
+        try:
+            yield from self._stream(call, request.stop, len(decode_request.prompt_ids))
+        except grpc.RpcError as err:
+            context.abort(err.code(), err.details())
+        except ServiceError as err:
+            context.abort(err.code, str(err))
+        finally:
+            call.cancel()  # after a stop sequence this frees the verify session; else a no-op
+
+    def _decode_request(self, request: generation_pb2.GenerateRequest) -> verify_pb2.DecodeRequest:
+        which = request.WhichOneof("prompt")
+        if which == "text" and request.text:
+            prompt_ids = self._tokenizer.encode(request.text)
+        elif which == "token_ids" and request.token_ids.ids:
+            prompt_ids = list(request.token_ids.ids)
+        else:
+            raise InvalidArgument("prompt: must be a non-empty text or list of token ids")
+        if len(request.stop) > self._config.max_stop_sequences:
+            raise InvalidArgument(f"stop: at most {self._config.max_stop_sequences} sequences, got {len(request.stop)}")
+        for stop in request.stop:
+            if not 1 <= len(stop) <= self._config.max_stop_length:
+                raise InvalidArgument(f"stop: each sequence must have 1..{self._config.max_stop_length} characters")
+        num_draft_tokens = 0  # the verify service's default
+        if request.speculation.HasField("num_draft_tokens"):
+            num_draft_tokens = requests.check_num_draft_tokens(request.speculation.num_draft_tokens)
+        sampling = common_pb2.SamplingParams(
+            temperature=request.temperature if request.HasField("temperature") else 0.0,
+            top_k=request.top_k if request.HasField("top_k") else 0,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+        )
+        if request.HasField("seed"):
+            sampling.seed = request.seed
+        return verify_pb2.DecodeRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=(
+                request.max_new_tokens if request.HasField("max_new_tokens") else self._config.default_max_new_tokens
+            ),
+            sampling=sampling,
+            speculation=request.speculation.mode,
+            num_draft_tokens=num_draft_tokens,
+        )
+
+    def _stream(
+        self, chunks: Iterator[verify_pb2.DecodeChunk], stop: Sequence[str], prompt_tokens: int
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        detokenizer = IncrementalDetokenizer(self._tokenizer)
+        stops = StopMatcher(stop)
+        usage = UsageTally(prompt_tokens=prompt_tokens)
+        for chunk in chunks:
+            ids: list[int] = []
+            text: list[str] = []
+            stopped = False
+            for token in chunk.token_ids:  # token by token, to cut right after a stop
+                ids.append(token)
+                delta, stopped = stops.feed(detokenizer.add([token]))
+                text.append(delta)
+                if stopped:
+                    break
+            usage.add(chunk.round, len(ids))
+            finish = common_pb2.FINISH_REASON_STOP if stopped else chunk.finish_reason
+            if finish and not stopped:
+                tail, stopped = stops.feed(detokenizer.flush())
+                text.append(tail if stopped else tail + stops.flush())
+                finish = common_pb2.FINISH_REASON_STOP if stopped else finish
+            response = generation_pb2.GenerateResponse(
+                text="".join(text), token_ids=ids, round=chunk.round, speculation=chunk.speculation
+            )
+            if finish:
+                response.finish_reason = finish
+                response.usage.CopyFrom(usage.to_proto())
+                yield response
+                return
+            yield response
+        raise Unavailable("the verify service ended the stream before the completion finished")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(GatewayConfig, argv, "python -m gateway", "specdec gateway: the public Generation API", "SPECDEC_GATEWAY")
+    log = setup_logging("gateway")
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    channel = grpc.insecure_channel(config.verify, options=channel_options())
+    servicer = GenerationServicer(tokenizer, verify_pb2_grpc.VerifyStub(channel), config)
+    service = Service("gateway", config.listen, config.workers, config.grace_s)
+    service.add(
+        generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+    )
+    service.start()
+    log.info("serving the Generation API on %s, verify service at %s", config.listen, config.verify)
+    service.wait_for_signal()
+    log.info("shutting down")
+    service.stop()
+    channel.close()
+    return 0

@@ -1,0 +1,1 @@
+"""Code shared by the draft, verify and gateway services."""

@@ -1,0 +1,215 @@
+"""The `specdec` command: serve, demo, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from specdec import defaults
+from specdec.client import connect, generate
+from specdec.launcher import Stack, StackConfig, StackError
+from specdec.v1 import common_pb2, generation_pb2
+
+DEMO_PROMPT = 'def parse_header(line):\n    """Split an HTTP header line into its name and value."""\n'
+MODES = {"on": common_pb2.SPECULATION_MODE_ON, "off": common_pb2.SPECULATION_MODE_OFF}
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def default_models() -> tuple[str, str]:
+    """The embedded default pair; until it exists, a toy pair built on first use."""
+    if Path(defaults.DEFAULT_TARGET).is_dir() and Path(defaults.DEFAULT_DRAFT).is_dir():
+        return defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT
+    from specdec.toy_models import build_pair  # imports torch: only when needed
+
+    root = defaults.REPO / ".cache" / "toy-pair"
+    if not (root / "draft").is_dir():
+        print(f"specdec: no default model pair in {defaults.MODELS_DIR}; building a toy pair in {root}", file=sys.stderr)
+        build_pair(root)
+    return str(root / "target"), str(root / "draft")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=_env("SPECDEC_TARGET", ""), help="target model: path or hub id (default: the embedded pair)")
+    parser.add_argument("--draft", default=_env("SPECDEC_DRAFT", ""), help="draft model: path or hub id (default: the embedded pair)")
+    parser.add_argument("--device", default=_env("SPECDEC_DEVICE", "cpu"), help="torch device of both models")
+
+
+def _stack_config(args: argparse.Namespace, gateway_address: str, workdir: Path) -> StackConfig:
+    target, draft = args.target, args.draft
+    if not (target and draft):
+        default_target, default_draft = default_models()
+        target, draft = target or default_target, draft or default_draft
+    return StackConfig(
+        target=target,
+        draft=draft,
+        workdir=workdir,
+        gateway_address=gateway_address,
+        device=args.device,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="specdec-"))
+    config = _stack_config(args, f"{args.host}:{args.port}", workdir)
+    stack = Stack(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stack.start()
+    except StackError as err:
+        stack.stop()
+        print(f"specdec serve: {err}", file=sys.stderr)
+        return 1
+    print(
+        f"specdec ready: gateway {config.gateway_address}, verify {config.verify_address}, "
+        f"draft {config.draft_address} (target {config.target}, draft {config.draft}; logs in {workdir})",
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        for name, process in stack.processes.items():
+            if process.poll() is not None:
+                print(f"specdec serve: {name} exited with {process.returncode}; shutting down", file=sys.stderr)
+                stop.set()
+    codes = stack.stop()
+    print(f"specdec stopped: {', '.join(f'{n} exit {c}' for n, c in codes.items())}", flush=True)
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+def _request(args: argparse.Namespace, prompt: str) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(text=prompt, stop=args.stop)
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(request, name, value)
+    request.speculation.mode = MODES[args.speculation]
+    if args.num_draft_tokens is not None:
+        request.speculation.num_draft_tokens = args.num_draft_tokens
+    return request
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    channel, stub = connect(args.gateway)
+
+    def show(message: generation_pb2.GenerateResponse) -> None:
+        if args.json:
+            print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True)), flush=True)
+        else:
+            print(message.text, end="", flush=True)
+
+    try:
+        completion = generate(stub, _request(args, prompt), timeout=args.timeout, on_message=show)
+    except grpc.RpcError as err:
+        print(f"\nspecdec generate: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    if args.json:
+        summary = {
+            "token_ids": completion.token_ids,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "usage": json_format.MessageToDict(completion.usage, preserving_proto_field_name=True),
+            "acceptance_rate": completion.usage.acceptance_rate,
+            "tokens_per_second": completion.tokens_per_s,
+        }
+        print(json.dumps(summary), flush=True)
+    else:
+        print(flush=True)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="specdec-demo-") as tmp:
+        config = _stack_config(args, f"127.0.0.1:{args.port}", Path(tmp))
+        print(f"specdec demo: starting draft ({config.draft}), verify ({config.target}) and gateway ...", flush=True)
+        try:
+            with Stack(config):
+                return _demo_runs(args, config)
+        except StackError as err:
+            print(f"specdec demo: {err}", file=sys.stderr)
+            return 1
+
+
+def _demo_runs(args: argparse.Namespace, config: StackConfig) -> int:
+    channel, stub = connect(config.gateway_address)
+    results = {}
+    with channel:
+        for mode in ("on", "off"):
+            request = generation_pb2.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens)
+            request.speculation.mode = MODES[mode]
+            request.speculation.num_draft_tokens = args.num_draft_tokens
+            warmup = generation_pb2.GenerateRequest()
+            warmup.CopyFrom(request)
+            warmup.max_new_tokens = 8
+            generate(stub, warmup)  # first calls pay one-off costs; keep them out of the figures
+            print(f"\n--- speculation {mode} ---\n{args.prompt}", end="", flush=True)
+            results[mode] = generate(stub, request, on_message=lambda m: print(m.text, end="", flush=True))
+            print(flush=True)
+    on, off = results["on"], results["off"]
+    print(f"\n{'':16}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'acceptance':>12}{'rounds':>8}")
+    for mode, c in results.items():
+        acceptance = f"{c.usage.acceptance_rate:.2f}" if mode == "on" else "-"
+        print(f"speculation {mode:<4}{len(c.token_ids):>8}{c.elapsed_s:>10.2f}{c.tokens_per_s:>10.1f}{acceptance:>12}{c.usage.rounds:>8}")
+    same = "yes" if on.token_ids == off.token_ids else "NO"
+    print(f"speedup {on.tokens_per_s / off.tokens_per_s:.2f}x, k={args.num_draft_tokens}, outputs identical: {same}")
+    return 0 if same == "yes" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as a gRPC service pair.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run draft, verify and gateway on this machine until Ctrl-C")
+    _add_model_args(serve)
+    serve.add_argument("--host", default=_env("SPECDEC_HOST", "127.0.0.1"), help="gateway host to listen on")
+    serve.add_argument("--port", type=int, default=int(_env("SPECDEC_PORT", "50051")), help="gateway port")
+    serve.add_argument("--workdir", default=_env("SPECDEC_WORKDIR", ""), help="folder for sockets and logs (default: a new temporary one)")
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser("demo", help="start the services, stream a prompt with and without speculation, print the figures")
+    _add_model_args(demo)
+    demo.add_argument("--port", type=int, default=int(_env("SPECDEC_DEMO_PORT", "50061")), help="gateway port of the demo")
+    demo.add_argument("--prompt", default=DEMO_PROMPT, help="prompt to complete")
+    demo.add_argument("--max-new-tokens", type=int, default=256)
+    demo.add_argument("--num-draft-tokens", type=int, default=defaults.NUM_DRAFT_TOKENS)
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running gateway")
+    gen.add_argument("prompt", help="prompt text, or - to read it from standard input")
+    gen.add_argument("--gateway", default=_env("SPECDEC_GATEWAY", defaults.GATEWAY_ADDRESS), help="gateway HOST:PORT")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    gen.add_argument("--speculation", choices=sorted(MODES), default="on")
+    gen.add_argument("--num-draft-tokens", type=int)
+    gen.add_argument("--timeout", type=float, default=None, help="deadline of the request, in seconds")
+    gen.add_argument("--json", action="store_true", help="one JSON object per streamed message, then a summary")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

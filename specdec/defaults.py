@@ -1,0 +1,17 @@
+"""Defaults shared by the services and the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO / "models"
+DEFAULT_TARGET = str(MODELS_DIR / "target")
+DEFAULT_DRAFT = str(MODELS_DIR / "draft")
+
+DRAFT_ADDRESS = "unix:///tmp/specdec/draft.sock"
+VERIFY_ADDRESS = "127.0.0.1:50052"
+GATEWAY_ADDRESS = "127.0.0.1:50051"
+
+NUM_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 16

@@ -1,0 +1,102 @@
+"""gRPC server plumbing shared by the three services: health, reflection, addresses,
+graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from transformers.utils import logging as transformers_logging
+
+
+UNIX_PREFIX = "unix://"
+
+
+def setup_logging(service: str) -> logging.Logger:
+    transformers_logging.disable_progress_bar()  # service logs are line-oriented
+    logging.basicConfig(
+        level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {service} %(levelname)s %(message)s",
+    )
+    return logging.getLogger(service)
+
+
+def unix_socket_path(address: str) -> Path | None:
+    """The filesystem path of a unix:///abs/path address, else None."""
+    if address.startswith(UNIX_PREFIX):
+        return Path(address[len(UNIX_PREFIX) :])
+    if address.startswith("unix:"):
+        return Path(address[len("unix:") :])
+    return None
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Client channel options: reconnect within a second once a peer is back."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class Service:
+    """A gRPC server with health and reflection, stopped gracefully by a signal."""
+
+    def __init__(self, name: str, listen: str, max_workers: int, grace_s: float) -> None:
+        self.name = name
+        self.listen = listen
+        self.grace_s = grace_s
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        self._stop = threading.Event()
+
+    def add(self, full_name: str, register: Callable[[grpc.Server], None]) -> None:
+        """Registers a servicer (via its generated add_*_to_server) under its full name."""
+        register(self.server)
+        self._service_names.append(full_name)
+
+    def start(self) -> None:
+        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.server)
+        socket = unix_socket_path(self.listen)
+        if socket is not None:
+            socket.parent.mkdir(parents=True, exist_ok=True)
+            if socket.is_socket():
+                socket.unlink()  # left by a process that did not shut down cleanly
+        self.server.add_insecure_port(self.listen)
+        self.server.start()
+        for name in ["", *self._service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def wait_for_signal(self) -> None:
+        """Blocks until SIGTERM or SIGINT (or `request_stop`)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        self._stop.wait()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Stops accepting calls and gives in-flight calls the grace period to finish."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(self.grace_s).wait()
+        socket = unix_socket_path(self.listen)
+        if socket is not None and socket.is_socket():
+            socket.unlink()
+
+
+def remaining_timeout(context: grpc.ServicerContext) -> float | None:
+    """The caller's remaining deadline in seconds, to pass on downstream; None if unset."""
+    remaining = context.time_remaining()
+    # grpc reports "no deadline" as a practically infinite time remaining.
+    return remaining if remaining is not None and remaining < 10**8 else None

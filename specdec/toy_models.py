@@ -1,0 +1,104 @@
+"""Small, untrained model pairs that tests build and save on the fly.
+
+They are saved exactly like real checkpoints (config, safetensors, tokenizer files) and
+loaded back through the same `from_pretrained` path. Random weights are enough to test
+losslessness, exactness and fault handling; acceptance is controlled by how far the
+draft's weights are from the target's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+EOS = "<|endoftext|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# Text the toy tokenizer learns its merges from; the multi-byte characters make some
+# merges split UTF-8 sequences, which the gateway's detokenizer must handle.
+_CORPUS = [
+    "def speculative_decode(prompt, draft, target, k=4):",
+    "    tokens = draft.propose(prompt, k)  # the draft guesses",
+    "    return target.verify(tokens)  # the target keeps what it agrees with",
+    "Speculative decoding keeps the target's output exactly, only faster.",
+    "Ünïcödé: naïve café, déjà vu, Größe, 東京, 日本語, ✓ → ∑ π ≈ 3.14159",
+    "The quick brown fox jumps over the lazy dog. 0123456789 (){}[]<>=+-*/",
+]
+
+
+@dataclass(frozen=True)
+class ToySize:
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 2
+    n_positions: int = 512
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few built-in lines, saved to out_dir."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, unk_token=EOS)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(
+    out_dir: Path, tokenizer: PreTrainedTokenizerFast, size: ToySize, seed: int, init_std: float = 0.2
+) -> Path:
+    """A randomly initialised GPT-2 saved with its tokenizer. A large init_std makes the
+    next-token distributions peaked, so greedy argmax ties are practically impossible."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=size.n_positions,
+        n_embd=size.n_embd,
+        n_layer=size.n_layer,
+        n_head=size.n_head,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=init_std,
+    )
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def perturbed_copy(src: Path, out_dir: Path, noise: float, seed: int) -> Path:
+    """The model at src with Gaussian noise of relative size `noise` on every weight."""
+    model = AutoModelForCausalLM.from_pretrained(src)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * noise * param.std())
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out_dir / name)
+    return out_dir
+
+
+@dataclass(frozen=True)
+class ToyPair:
+    target: Path
+    draft: Path
+
+
+def build_pair(root: Path, noise: float = 0.05, seed: int = 0, size: ToySize = ToySize()) -> ToyPair:
+    """A target and a draft that is the target with noisy weights (same tokenizer)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(root / "tokenizer")
+    target = build_model(root / "target", tokenizer, size, seed)
+    draft = perturbed_copy(target, root / "draft", noise, seed + 1)
+    return ToyPair(target, draft)

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs of proto/specdec/v1 (python -m specdec.protogen)."""

@@ -1,0 +1,72 @@
+"""Shared fixtures: toy model pairs saved like real checkpoints, and real service stacks."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from specdec.launcher import Stack, StackConfig
+from specdec.toy_models import ToySize, build_model, build_tokenizer, perturbed_copy
+
+
+@dataclass(frozen=True)
+class ToyModels:
+    target: Path
+    same: Path  # the target's own weights: every greedy proposal is accepted
+    close: Path  # the target with noisy weights: partial acceptance
+    far: Path  # unrelated weights, same tokenizer: mostly rejected
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> ToyModels:
+    root = tmp_path_factory.mktemp("toy")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    target = build_model(root / "target", tokenizer, ToySize(), seed=0)
+    same = Path(shutil.copytree(target, root / "same"))
+    close = perturbed_copy(target, root / "close", noise=0.05, seed=1)
+    far = build_model(root / "far", tokenizer, ToySize(), seed=7)
+    return ToyModels(target, same, close, far)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+StackFactory = Callable[..., Stack]
+
+
+@pytest.fixture(scope="module")
+def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFactory]:
+    """Starts real draft/verify/gateway processes; all are stopped when the module ends."""
+    stacks: list[Stack] = []
+
+    def start(target: Path, draft: Path, with_draft: bool = True, args: dict[str, list[str]] | None = None) -> Stack:
+        # unix socket paths must stay under ~100 characters
+        workdir = Path(tmp_path_factory.mktemp("stack", numbered=True))
+        config = StackConfig(
+            target=str(target),
+            draft=str(draft),
+            workdir=workdir,
+            gateway_address=f"127.0.0.1:{free_port()}",
+            with_draft=with_draft,
+            extra_args=args or {},
+        )
+        stack = Stack(config)
+        stacks.append(stack)
+        try:
+            stack.start()
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    yield start
+    for stack in stacks:
+        stack.stop()

@@ -1,0 +1,101 @@
+"""The sampling math on hand-made distributions: warping, truncation, verification."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.sampling import (
+    RoundOutcome,
+    SamplingParams,
+    propose_token,
+    residual,
+    truncate,
+    verify_greedy,
+    verify_round,
+    verify_sampled,
+    warp,
+)
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def test_temperature_only_is_softmax_of_scaled_logits():
+    assert torch.allclose(warp(LOGITS, SamplingParams(temperature=0.5)), torch.softmax(LOGITS / 0.5, -1))
+
+
+def test_top_k_keeps_the_k_most_likely():
+    probs = warp(LOGITS, SamplingParams(temperature=1.0, top_k=3))
+    assert (probs[:3] > 0).all() and (probs[3:] == 0).all()
+    assert probs.sum() == pytest.approx(1.0)
+    assert torch.allclose(probs[:3], torch.softmax(LOGITS[:3], -1))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    full = torch.softmax(LOGITS, -1)  # 0.53, 0.20, 0.12, 0.07, ...
+    probs = warp(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
+    kept = (probs > 0).nonzero().flatten().tolist()
+    assert kept == [0, 1]  # 0.53 < 0.7 <= 0.53 + 0.20
+    assert torch.allclose(probs[:2], full[:2] / full[:2].sum())
+    # the most likely token survives even a tiny top_p
+    assert (warp(LOGITS, SamplingParams(temperature=1.0, top_p=1e-6)) > 0).nonzero().flatten().tolist() == [0]
+
+
+def test_truncate_renormalises_the_top_support():
+    probs = torch.softmax(LOGITS, -1)
+    ids, q = truncate(probs, 2)
+    assert ids.tolist() == [0, 1]
+    assert torch.allclose(q, probs[:2] / probs[:2].sum())
+    ids, q = truncate(torch.tensor([0.5, 0.0, 0.5]), 3)  # zero-probability tokens are left out
+    assert sorted(ids.tolist()) == [0, 2]
+
+
+def test_greedy_accepts_the_matching_prefix():
+    logits = torch.eye(5)[[1, 2, 3, 4]]  # target argmax at positions 0..3: 1, 2, 3, 4
+    assert verify_greedy(logits, torch.tensor([1, 2, 3])) == RoundOutcome(3, 4)  # all accepted, bonus 4
+    outcome = verify_greedy(logits, torch.tensor([1, 0, 3]))
+    assert (outcome.accepted, outcome.token) == (1, 2)  # correction at the first mismatch
+    assert verify_greedy(logits[:1], torch.tensor([], dtype=torch.long)) == RoundOutcome(0, 1)  # target-only step
+
+
+def test_sampled_accepts_everything_when_the_draft_is_the_target():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 8, generator=gen), -1)
+    for _ in range(200):
+        draft = torch.multinomial(p[:3], 1, generator=gen).flatten()
+        assert verify_sampled(p, draft, p[:3], gen).accepted == 3
+
+
+def test_sampled_rejects_tokens_the_target_cannot_emit():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    for _ in range(200):
+        outcome = verify_sampled(p, torch.tensor([0]), q, gen)
+        assert outcome.accepted == 0 and outcome.token in (1, 2)
+
+
+def test_residual_is_the_normalised_positive_part():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_propose_token_is_argmax_when_greedy_and_in_support_when_sampling():
+    gen = torch.Generator().manual_seed(0)
+    assert propose_token(LOGITS, SamplingParams(), 4, gen).id == 0
+    for _ in range(50):
+        choice = propose_token(LOGITS, SamplingParams(temperature=1.0), 3, gen)
+        assert choice.support_ids == [0, 1, 2] and choice.id in choice.support_ids
+        assert sum(choice.support_probs) == pytest.approx(1.0)
+        assert len(choice.support_ids) == 3
+
+
+def test_verify_round_uses_the_sparse_q():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.log(torch.tensor([[0.1, 0.9], [0.5, 0.5]]))
+    # q(1) = 1 and p(1) = 0.9: token 1 is accepted with probability 0.9
+    accepted = sum(
+        verify_round(logits, SamplingParams(temperature=1.0), [1], [[1]], [[1.0]], gen).accepted for _ in range(4000)
+    )
+    assert accepted / 4000 == pytest.approx(0.9, abs=0.02)

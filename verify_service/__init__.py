@@ -1,0 +1,1 @@
+"""The verify service: the target model, the speculation round loop and its fallbacks."""

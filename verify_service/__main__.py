@@ -1,0 +1,5 @@
+import sys
+
+from verify_service.server import main
+
+sys.exit(main())

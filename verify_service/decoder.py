@@ -1,0 +1,174 @@
+"""The round loop of one request, run on the gRPC handler thread that serves it.
+
+Each round: ask the draft for k tokens (with a deadline), verify them in one target
+forward on the engine thread, tell the draft what was kept, stream the round. Any draft
+failure switches the request to target-only rounds from the next token on: the target
+session already holds every committed token, so nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from specdec import requests
+from specdec.defaults import NUM_DRAFT_TOKENS
+from specdec.engine import Engine
+from specdec.runtime import CausalLM
+from specdec.sampling import SamplingParams
+from specdec.usage import UsageTally
+from specdec.v1 import common_pb2, verify_pb2
+from verify_service.draft_client import DraftClient, DraftLost, DraftSession
+from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
+
+SPECULATING = common_pb2.Speculation(speculating=True)
+
+
+def target_only(reason: common_pb2.TargetOnlyReason, detail: str) -> common_pb2.Speculation:
+    return common_pb2.Speculation(speculating=False, reason=reason, detail=detail)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request with every default resolved."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int
+    speculate: bool
+    num_draft_tokens: int
+
+    def sampling_proto(self) -> common_pb2.SamplingParams:
+        p = self.params
+        return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=self.seed)
+
+
+@dataclass
+class Totals:
+    """Service-wide counters reported by GetInfo."""
+
+    requests: int = 0
+    active: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+class Decoder:
+    def __init__(self, engine: Engine, model: CausalLM, draft: DraftClient | None, max_new_tokens_limit: int) -> None:
+        self._engine = engine
+        self._model = model
+        self._draft = draft
+        self._eos = model.eos_token_ids
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.totals = Totals()
+        self._lock = threading.Lock()
+
+    def plan(self, request: verify_pb2.DecodeRequest) -> Plan:
+        """Validates a request (InvalidArgument naming the field) and resolves defaults."""
+        max_new = requests.check_max_new_tokens(request.max_new_tokens, self.max_new_tokens_limit)
+        params = requests.sampling_params(request.sampling)
+        prompt = requests.check_prompt_ids(
+            request.prompt_ids, self._model.vocab_size, self._model.max_positions, max_new
+        )
+        k = requests.check_num_draft_tokens(request.num_draft_tokens or NUM_DRAFT_TOKENS)
+        if request.speculation not in common_pb2.SpeculationMode.values():
+            raise requests.InvalidArgument(f"speculation: unknown mode {request.speculation}")
+        return Plan(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_ids=prompt,
+            max_new_tokens=max_new,
+            params=params,
+            seed=request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(63),
+            speculate=request.speculation != common_pb2.SPECULATION_MODE_OFF,
+            num_draft_tokens=k,
+        )
+
+    def decode(self, plan: Plan) -> Iterator[verify_pb2.DecodeChunk]:
+        sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            self.totals.requests += 1
+            self.totals.active += 1
+        draft, speculation = self._open_draft(sid, plan)
+        try:
+            self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed))
+            yield from self._rounds(sid, plan, draft, speculation)
+        finally:
+            self._engine.submit(Release(sid))
+            if draft is not None:
+                draft.close()
+            with self._lock:
+                self.totals.active -= 1
+
+    def _rounds(
+        self, sid: str, plan: Plan, draft: DraftSession | None, speculation: common_pb2.Speculation
+    ) -> Iterator[verify_pb2.DecodeChunk]:
+        usage = UsageTally(prompt_tokens=len(plan.prompt_ids))
+        for index in range(plan.max_new_tokens):
+            remaining = plan.max_new_tokens - usage.completion_tokens
+            # Never propose past the last position the request may emit.
+            k = min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
+            proposal, draft_seconds = NO_DRAFT, 0.0
+            if k > 0:
+                try:
+                    proposal, draft_seconds = draft.propose(k)
+                except DraftLost as lost:
+                    speculation = target_only(lost.reason, str(lost))
+                    self._draft.forget(lost)
+                    draft.close()
+                    draft = None
+            verified: Verified = self._engine.run(Verify(sid, proposal))
+            if draft is not None and proposal.ids:
+                draft.commit(verified.accepted, verified.tokens[-1])
+
+            tokens, finish = self._cut(verified.tokens, remaining)
+            stats = common_pb2.RoundStats(
+                index=index,
+                draft_tokens=len(proposal.ids),
+                accepted_tokens=verified.accepted,
+                closing=(
+                    common_pb2.CLOSING_TOKEN_BONUS
+                    if verified.accepted == len(proposal.ids)
+                    else common_pb2.CLOSING_TOKEN_CORRECTION
+                ),
+                draft_time_us=int(draft_seconds * 1e6),
+                verify_time_us=int(verified.seconds * 1e6),
+            )
+            usage.add(stats, len(tokens))
+            with self._lock:
+                self.totals.proposed += stats.draft_tokens
+                self.totals.accepted += stats.accepted_tokens
+            chunk = verify_pb2.DecodeChunk(token_ids=tokens, round=stats, speculation=speculation)
+            if finish:
+                chunk.finish_reason = finish
+                chunk.usage.CopyFrom(usage.to_proto())
+                yield chunk
+                return
+            yield chunk
+
+    def _cut(self, tokens: list[int], remaining: int) -> tuple[list[int], common_pb2.FinishReason]:
+        """The round's tokens up to the first EOS or the length limit, and why it ended."""
+        for i, token in enumerate(tokens[:remaining]):
+            if token in self._eos:
+                return tokens[: i + 1], common_pb2.FINISH_REASON_EOS
+        if len(tokens) >= remaining:
+            return tokens[:remaining], common_pb2.FINISH_REASON_LENGTH
+        return tokens, common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def _open_draft(self, sid: str, plan: Plan) -> tuple[DraftSession | None, common_pb2.Speculation]:
+        if not plan.speculate:
+            return None, target_only(common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request")
+        if self._draft is None:
+            return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "no draft service is configured")
+        try:
+            info = self._draft.info()
+        except DraftLost as lost:
+            return None, target_only(lost.reason, str(lost))
+        if len(plan.prompt_ids) + plan.max_new_tokens > info.max_positions:
+            detail = f"the output would not fit the draft's context of {info.max_positions} positions"
+            return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail)
+        return self._draft.open(sid, plan.prompt_ids, plan.sampling_proto()), SPECULATING
