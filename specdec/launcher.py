@@ -25,11 +25,12 @@ class StackConfig:
     gateway_address: str = "127.0.0.1:50051"
     device: str = "cpu"
     with_draft: bool = True  # False: the verify service runs without a draft service
+    draft_tcp: str = ""  # host:port to reach the draft over TCP instead of a unix socket
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
 
     @property
     def draft_address(self) -> str:
-        return f"unix://{self.workdir / 'draft.sock'}"
+        return self.draft_tcp or f"unix://{self.workdir / 'draft.sock'}"
 
     @property
     def verify_address(self) -> str:

@@ -47,7 +47,9 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
     """Starts real draft/verify/gateway processes; all are stopped when the module ends."""
     stacks: list[Stack] = []
 
-    def start(target: Path, draft: Path, with_draft: bool = True, args: dict[str, list[str]] | None = None) -> Stack:
+    def start(
+        target: Path, draft: Path, with_draft: bool = True, args: dict[str, list[str]] | None = None, draft_tcp: str = ""
+    ) -> Stack:
         # unix socket paths must stay under ~100 characters
         workdir = Path(tmp_path_factory.mktemp("stack", numbered=True))
         config = StackConfig(
@@ -57,6 +59,7 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
             gateway_address=f"127.0.0.1:{free_port()}",
             with_draft=with_draft,
             extra_args=args or {},
+            draft_tcp=draft_tcp,
         )
         stack = Stack(config)
         stacks.append(stack)

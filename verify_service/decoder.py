@@ -93,16 +93,26 @@ class Decoder:
         with self._lock:
             self.totals.requests += 1
             self.totals.active += 1
-        draft, speculation = self._open_draft(sid, plan)
+        draft: DraftSession | None = None
+        final = None
         try:
+            draft, speculation = self._open_draft(sid, plan)
             self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed))
-            yield from self._rounds(sid, plan, draft, speculation)
+            for chunk in self._rounds(sid, plan, draft, speculation):
+                if chunk.finish_reason:
+                    final = chunk
+                    break
+                yield chunk
         finally:
+            # Free the sessions before the last message leaves, so that a client that has
+            # its completion never sees this request as active.
             self._engine.submit(Release(sid))
             if draft is not None:
                 draft.close()
             with self._lock:
                 self.totals.active -= 1
+        if final is not None:
+            yield final
 
     def _rounds(
         self, sid: str, plan: Plan, draft: DraftSession | None, speculation: common_pb2.Speculation

@@ -121,6 +121,7 @@ class DraftSession:
         self._opening: grpc.Future | None = opening
         self._accepted = 0
         self._appended: list[int] = []
+        self._closed = False
 
     def propose(self, num_tokens: int) -> tuple[DraftProposal, float]:
         """The next num_tokens draft tokens and the seconds waited for them; raises DraftLost."""
@@ -156,5 +157,8 @@ class DraftSession:
 
     def close(self) -> None:
         """Frees the draft's session without waiting (the draft may be stalled or gone)."""
+        if self._closed:
+            return
+        self._closed = True
         request = draft_pb2.CloseSessionRequest(session_id=self.session_id)
         self._stub.CloseSession.future(request, timeout=self._client.deadlines.open_s)
