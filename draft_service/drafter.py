@@ -37,6 +37,7 @@ class Open:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    capacity: int  # longest the sequence may grow; 0 = the model's context
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Drafter:
         if step.session_id in self.sessions:
             raise FailedPrecondition(f"session {step.session_id!r} is already open")
         start = time.perf_counter()
-        cache = self.model.new_cache()
+        cache = self.model.new_cache(step.capacity or None)
         if len(step.prompt_ids) > 1:
             self.model.forward(cache, step.prompt_ids[:-1])
         self.sessions[step.session_id] = DraftSession(
@@ -101,9 +102,9 @@ class Drafter:
         session.tokens.extend(step.appended_ids)
         session.committed = len(session.tokens)
         session.cache.rollback(min(session.cache.length, kept))
-        if session.committed + step.num_tokens > self.model.max_positions:
+        if session.committed + step.num_tokens - 1 > session.cache.capacity:
             raise FailedPrecondition(
-                f"{session.committed + step.num_tokens} positions exceed the draft's context of {self.model.max_positions}"
+                f"{session.committed + step.num_tokens - 1} positions exceed the session's capacity of {session.cache.capacity}"
             )
 
         tokens: list[draft_pb2.DraftToken] = []

@@ -27,6 +27,7 @@ class DraftConfig:
     model: str = option(defaults.DEFAULT_DRAFT, "draft model: local directory or hub id")
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
+    backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
     threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
     workers: int = option(32, "gRPC handler threads")
@@ -44,7 +45,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         sampling = request.sampling
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
-        step = Open(request.session_id, list(request.prompt_ids), params, seed)
+        step = Open(request.session_id, list(request.prompt_ids), params, seed, request.max_tokens)
         seconds = self._run(step, context)
         return draft_pb2.OpenSessionResponse(prefill_time_us=int(seconds * 1e6))
 
@@ -70,6 +71,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             active_sessions=len(self._drafter.sessions),
             forwards=model.forwards,
             proposals=self._drafter.proposals,
+            runtime=model.backend,
         )
 
     def _run(self, step: object, context: grpc.ServicerContext):
@@ -86,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = setup_logging("draft")
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
     step_time_s = model.step_time_s()
     drafter = Drafter(model, config.support_size)
     engine = Engine(drafter.execute, "draft-engine")
@@ -98,9 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     service.start()
     log.info(
-        "serving %s (%d parameters, step %.2f ms) on %s",
+        "serving %s (%d parameters, %s runtime, step %.2f ms) on %s",
         config.model,
         model.parameters,
+        model.backend,
         step_time_s * 1e3,
         config.listen,
     )

@@ -28,33 +28,16 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def default_models() -> tuple[str, str]:
-    """The embedded default pair; until it exists, a toy pair built on first use."""
-    if Path(defaults.DEFAULT_TARGET).is_dir() and Path(defaults.DEFAULT_DRAFT).is_dir():
-        return defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT
-    from specdec.toy_models import build_pair  # imports torch: only when needed
-
-    root = defaults.REPO / ".cache" / "toy-pair"
-    if not (root / "draft").is_dir():
-        print(f"specdec: no default model pair in {defaults.MODELS_DIR}; building a toy pair in {root}", file=sys.stderr)
-        build_pair(root)
-    return str(root / "target"), str(root / "draft")
-
-
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=_env("SPECDEC_TARGET", ""), help="target model: path or hub id (default: the embedded pair)")
-    parser.add_argument("--draft", default=_env("SPECDEC_DRAFT", ""), help="draft model: path or hub id (default: the embedded pair)")
+    parser.add_argument("--target", default=_env("SPECDEC_TARGET", defaults.DEFAULT_TARGET), help="target model: path or hub id (default: the embedded pair)")
+    parser.add_argument("--draft", default=_env("SPECDEC_DRAFT", defaults.DEFAULT_DRAFT), help="draft model: path or hub id (default: the embedded pair)")
     parser.add_argument("--device", default=_env("SPECDEC_DEVICE", "cpu"), help="torch device of both models")
 
 
 def _stack_config(args: argparse.Namespace, gateway_address: str, workdir: Path) -> StackConfig:
-    target, draft = args.target, args.draft
-    if not (target and draft):
-        default_target, default_draft = default_models()
-        target, draft = target or default_target, draft or default_draft
     return StackConfig(
-        target=target,
-        draft=draft,
+        target=args.target,
+        draft=args.draft,
         workdir=workdir,
         gateway_address=gateway_address,
         device=args.device,

@@ -87,18 +87,3 @@ def perturbed_copy(src: Path, out_dir: Path, noise: float, seed: int) -> Path:
         if (src / name).exists():
             shutil.copy(src / name, out_dir / name)
     return out_dir
-
-
-@dataclass(frozen=True)
-class ToyPair:
-    target: Path
-    draft: Path
-
-
-def build_pair(root: Path, noise: float = 0.05, seed: int = 0, size: ToySize = ToySize()) -> ToyPair:
-    """A target and a draft that is the target with noisy weights (same tokenizer)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(root / "tokenizer")
-    target = build_model(root / "target", tokenizer, size, seed)
-    draft = perturbed_copy(target, root / "draft", noise, seed + 1)
-    return ToyPair(target, draft)

@@ -1,5 +1,6 @@
 """Cache rollback: after rounds with rejections, cached decoding equals a full recompute,
-in the verifier's target sessions and in the drafter's sessions."""
+in the verifier's target sessions and in the drafter's sessions (the runtime-level
+rollback is in test_runtime.py)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,6 @@ def full_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
     return model.forward(model.new_cache(), ids)[-1]
 
 
-def test_kv_cache_rollback_then_forward_equals_recompute(target):
-    ids = list(range(10, 40))
-    cache = target.new_cache()
-    target.forward(cache, ids[:20])
-    target.forward(cache, [7, 7, 7, 7])  # a rejected continuation
-    cache.rollback(20)
-    assert cache.length == 20
-    logits = target.forward(cache, ids[20:])
-    assert torch.allclose(logits, target.forward(target.new_cache(), ids)[20:], atol=1e-5)
-    with pytest.raises(ValueError):
-        cache.rollback(31)
-
-
 def greedy_reference(model: CausalLM, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding by full recompute at every step (no cache at all)."""
     ids = list(prompt)
@@ -52,8 +40,8 @@ def test_rounds_with_rejections_equal_full_recompute(target, far):
     params = SamplingParams()
     prompt = [5, 17, 42, 99, 3]
     verifier, drafter = Verifier(target), Drafter(far, support_size=8)
-    verifier.execute([Prefill("s", prompt, params, seed=0)])
-    drafter.execute([Open("s", prompt, params, seed=0)])
+    verifier.execute([Prefill("s", prompt, params, seed=0, capacity=200)])
+    drafter.execute([Open("s", prompt, params, seed=0, capacity=200)])
     accepted, appended, rejections = 0, [], 0
     while len(verifier.sessions["s"].tokens) < len(prompt) + 60:
         [tokens] = drafter.execute([Propose("s", accepted, appended, 4)])
@@ -78,7 +66,7 @@ def test_rounds_with_rejections_equal_full_recompute(target, far):
 def test_drafter_rollback_equals_recompute(far):
     drafter = Drafter(far, support_size=8)
     prompt = [1, 2, 3, 4]
-    drafter.execute([Open("d", prompt, SamplingParams(), seed=0)])
+    drafter.execute([Open("d", prompt, SamplingParams(), seed=0, capacity=0)])
     [first] = drafter.execute([Propose("d", 0, [], 5)])
     # the verifier kept 2 of the 5 and appended its own token 77
     [second] = drafter.execute([Propose("d", 2, [77], 3)])

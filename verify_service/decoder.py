@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from specdec import requests
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.engine import Engine
+from specdec.errors import InvalidArgument
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.usage import UsageTally
@@ -42,6 +43,11 @@ class Plan:
     seed: int
     speculate: bool
     num_draft_tokens: int
+
+    @property
+    def capacity(self) -> int:
+        """The longest the sequence can grow: prompt plus output."""
+        return len(self.prompt_ids) + self.max_new_tokens
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
         p = self.params
@@ -77,7 +83,7 @@ class Decoder:
         )
         k = requests.check_num_draft_tokens(request.num_draft_tokens or NUM_DRAFT_TOKENS)
         if request.speculation not in common_pb2.SpeculationMode.values():
-            raise requests.InvalidArgument(f"speculation: unknown mode {request.speculation}")
+            raise InvalidArgument(f"speculation: unknown mode {request.speculation}")
         return Plan(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_ids=prompt,
@@ -97,7 +103,7 @@ class Decoder:
         final = None
         try:
             draft, speculation = self._open_draft(sid, plan)
-            self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed))
+            self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed, plan.capacity))
             for chunk in self._rounds(sid, plan, draft, speculation):
                 if chunk.finish_reason:
                     final = chunk
@@ -178,7 +184,7 @@ class Decoder:
             info = self._draft.info()
         except DraftLost as lost:
             return None, target_only(lost.reason, str(lost))
-        if len(plan.prompt_ids) + plan.max_new_tokens > info.max_positions:
+        if plan.capacity > info.max_positions:
             detail = f"the output would not fit the draft's context of {info.max_positions} positions"
             return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail)
-        return self._draft.open(sid, plan.prompt_ids, plan.sampling_proto()), SPECULATING
+        return self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity), SPECULATING

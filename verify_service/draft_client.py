@@ -89,9 +89,13 @@ class DraftClient:
             self._lost = lost
             self._retry_at = time.monotonic() + RETRY_S
 
-    def open(self, session_id: str, prompt_ids: Sequence[int], sampling: common_pb2.SamplingParams) -> DraftSession:
+    def open(
+        self, session_id: str, prompt_ids: Sequence[int], sampling: common_pb2.SamplingParams, max_tokens: int
+    ) -> DraftSession:
         """Starts the draft's prefill without waiting for it (the target prefills meanwhile)."""
-        request = draft_pb2.OpenSessionRequest(session_id=session_id, prompt_ids=prompt_ids, sampling=sampling)
+        request = draft_pb2.OpenSessionRequest(
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens
+        )
         return DraftSession(self, session_id, self._stub.OpenSession.future(request, timeout=self.deadlines.open_s))
 
     def round_deadline_s(self, num_tokens: int) -> float:

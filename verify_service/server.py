@@ -27,6 +27,7 @@ class VerifyConfig:
     draft: str = option(defaults.DRAFT_ADDRESS, "draft service address (unix:///path or host:port); empty for none")
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
+    backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
     draft_deadline_factor: float = option(5.0, "a round's draft deadline, in multiples of the expected proposal time")
     draft_deadline_min_ms: float = option(50.0, "the shortest draft deadline of a round, in milliseconds")
@@ -67,6 +68,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
             prefills=self._verifier.prefills,
             draft_tokens_proposed=totals.proposed,
             draft_tokens_accepted=totals.accepted,
+            runtime=model.backend,
         )
 
 
@@ -77,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = setup_logging("verify")
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
     verifier = Verifier(model)
     engine = Engine(verifier.execute, "verify-engine")
     draft = None
@@ -96,7 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda server: verify_pb2_grpc.add_VerifyServicer_to_server(servicer, server),
     )
     service.start()
-    log.info("serving %s (%d parameters) on %s, draft %s", config.model, model.parameters, config.listen, config.draft or "none")
+    log.info(
+        "serving %s (%d parameters, %s runtime) on %s, draft %s",
+        config.model,
+        model.parameters,
+        model.backend,
+        config.listen,
+        config.draft or "none",
+    )
     service.wait_for_signal()
     log.info("shutting down")
     service.stop()

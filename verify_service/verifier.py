@@ -45,6 +45,7 @@ class Prefill:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    capacity: int  # longest the sequence may grow (prompt plus output)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Verifier:
         return run_each(steps, {Prefill: self.prefill, Verify: self.verify, Release: self.release})
 
     def prefill(self, step: Prefill) -> None:
-        cache = self.model.new_cache()
+        cache = self.model.new_cache(step.capacity)
         if len(step.prompt_ids) > 1:
             self.model.forward(cache, step.prompt_ids[:-1])
             self.prefills += 1

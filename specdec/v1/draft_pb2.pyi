@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "max_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("prefill_time_us",)
@@ -70,7 +72,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "support_size", "step_time_us", "active_sessions", "forwards", "proposals")
+    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "support_size", "step_time_us", "active_sessions", "forwards", "proposals", "runtime")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class DraftInfo(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     model: str
     parameters: int
     vocab_size: int
@@ -91,4 +94,5 @@ class DraftInfo(_message.Message):
     active_sessions: int
     forwards: int
     proposals: int
-    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., support_size: _Optional[int] = ..., step_time_us: _Optional[int] = ..., active_sessions: _Optional[int] = ..., forwards: _Optional[int] = ..., proposals: _Optional[int] = ...) -> None: ...
+    runtime: str
+    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., support_size: _Optional[int] = ..., step_time_us: _Optional[int] = ..., active_sessions: _Optional[int] = ..., forwards: _Optional[int] = ..., proposals: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...

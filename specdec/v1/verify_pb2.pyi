@@ -42,7 +42,7 @@ class VerifyInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyInfo(_message.Message):
-    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted")
+    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class VerifyInfo(_message.Message):
     PREFILLS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     model: str
     parameters: int
     vocab_size: int
@@ -71,4 +72,5 @@ class VerifyInfo(_message.Message):
     prefills: int
     draft_tokens_proposed: int
     draft_tokens_accepted: int
-    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., draft_address: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., active_sessions: _Optional[int] = ..., requests: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., prefills: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ...) -> None: ...
+    runtime: str
+    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., draft_address: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., active_sessions: _Optional[int] = ..., requests: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., prefills: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The embedded default model pair (target/, draft/) and the recipe that made it."""

@@ -1,0 +1,505 @@
+"""The recipe of the embedded default pair: `python -m models.recipe` (add --toy for a
+seconds-long run at tiny sizes, as the test suite does).
+
+1. Corpus: the running interpreter's standard-library sources (found through sysconfig),
+   without tests, site-packages and the generated data tables (pydoc_data, encodings);
+   one file in `heldout_every` is held out, chosen by a hash of its path.
+2. Tokenizer: byte-level BPE trained with `tokenizers`, saved for AutoTokenizer.
+3. Target: a GPT-2 trained from scratch on the training files (next-token loss).
+4. Draft: a much smaller GPT-2 distilled from the saved target: trained to match the
+   target's next-token distributions (KL divergence), not the corpus tokens, on a mix of
+   real training windows and the target's own greedy continuations of training-file
+   prefixes, the text it will be asked to predict when it drafts (on-policy data, as in
+   DistillSpec, Zhou et al. 2023).
+5. Evaluation of the saved pair, loaded like any checkpoint: held-out losses beside a
+   unigram baseline, greedy acceptance at k=4 on the held-out prompts, distinct 4-grams
+   of 256-token greedy continuations, forward costs; into report.json and model cards.
+
+Fixed seeds and fixed step counts: a rerun on the same machine gives the same pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
+
+from specdec.costs import measure_costs
+from specdec.lossless import first_divergence
+from specdec.offline import speculate
+from specdec.runtime import CausalLM, ModelSpec
+
+EOS = "<|endoftext|>"
+EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data", "encodings"}
+MODELS_DIR = Path(__file__).resolve().parent
+PROMPTS_FILE = "heldout_prompts.json"
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    n_embd: int
+    n_head: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    seed: int = 0
+    vocab_size: int = 4096
+    context: int = 2048  # positions of both models
+    heldout_every: int = 30  # one file in this many is held out
+    max_files: int = 0  # 0: every file of the corpus
+    target: Shape = Shape(n_layer=6, n_embd=384, n_head=6)
+    draft: Shape = Shape(n_layer=2, n_embd=96, n_head=2)
+    target_steps: int = 1650
+    onpolicy_rows: int = 256  # target greedy continuations made for distillation ...
+    onpolicy_prefix: int = 48  # ... each from this many training tokens ...
+    onpolicy_new_tokens: int = 256  # ... continued by this many
+    draft_steps: int = 900
+    batch_tokens: int = 4096  # tokens per optimiser step
+    short_seq: int = 512  # most steps train on windows this long ...
+    long_every: int = 8  # ... and every this-many-th step on full-context windows
+    target_lr: float = 1e-3
+    draft_lr: float = 3e-3
+    prompts: int = 24  # held-out prompts written and evaluated
+    prompt_lines: int = 12  # a prompt is the first lines of a held-out file ...
+    prompt_max_tokens: int = 96  # ... cut to at most this many tokens
+    eval_tokens: int = 65536  # held-out tokens for the validation losses
+    acceptance_tokens: int = 128  # new tokens per prompt when measuring acceptance
+    distinct_tokens: int = 256  # new tokens per prompt for the distinct-4-gram share
+    k: int = 4  # draft tokens per round when measuring acceptance
+    threads: int = 2
+    compile: bool = True  # torch.compile the training forwards (about 1.45x here)
+
+
+TOY = Recipe(
+    vocab_size=320, context=128, heldout_every=5, max_files=24,
+    target=Shape(1, 32, 2), draft=Shape(1, 16, 2), target_steps=8, draft_steps=8,
+    onpolicy_rows=4, onpolicy_prefix=8, onpolicy_new_tokens=8,
+    batch_tokens=256, short_seq=32, prompts=3, prompt_lines=4, prompt_max_tokens=16,
+    eval_tokens=512, acceptance_tokens=12, distinct_tokens=16, compile=False,
+)  # fmt: skip
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# 1. corpus ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str  # relative to the standard library's root
+    text: str
+
+
+def stdlib_sources(max_files: int) -> list[Source]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        p for p in root.rglob("*.py")
+        if not any(part in EXCLUDED_PARTS or part.startswith("test_") for part in p.relative_to(root).parts)
+    )  # fmt: skip
+    if max_files:
+        paths = paths[:max_files]
+    return [Source(str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")) for p in paths]
+
+
+def is_heldout(path: str, every: int) -> bool:
+    return int(hashlib.sha256(path.encode()).hexdigest(), 16) % every == 0
+
+
+# 2. tokenizer -------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, unk_token=EOS, clean_up_tokenization_spaces=False
+    )
+
+
+def encode_files(tokenizer: PreTrainedTokenizerFast, sources: list[Source]) -> torch.Tensor:
+    """All files' tokens, each file followed by EOS, as one 1-D tensor."""
+    ids: list[int] = []
+    for source in sources:
+        ids += tokenizer.encode(source.text) + [tokenizer.eos_token_id]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def heldout_prompts(tokenizer: PreTrainedTokenizerFast, heldout: list[Source], recipe: Recipe) -> list[dict]:
+    prompts = []
+    for source in heldout:
+        lines = source.text.splitlines(keepends=True)[: recipe.prompt_lines]
+        ids = tokenizer.encode("".join(lines))[: recipe.prompt_max_tokens]
+        if len(lines) >= 3 and len(ids) >= 8:
+            prompts.append({"file": source.path, "prompt": tokenizer.decode(ids)})
+        if len(prompts) == recipe.prompts:
+            break
+    return prompts
+
+
+# 3-4. training ------------------------------------------------------------------------
+
+
+def new_gpt2(shape: Shape, tokenizer: PreTrainedTokenizerFast, context: int) -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=context, n_embd=shape.n_embd, n_layer=shape.n_layer,
+        n_head=shape.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def windows(ids: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """rows random windows of `length` consecutive training tokens, [rows, length]."""
+    starts = torch.randint(0, len(ids) - length, (rows,), generator=generator)
+    return torch.stack([ids[s : s + length] for s in starts.tolist()])
+
+
+def pretraining_batch(ids: torch.Tensor, recipe: Recipe, step: int, generator: torch.Generator) -> torch.Tensor:
+    """Windows of seq+1 tokens; every long_every-th step uses full-context windows."""
+    seq = recipe.context if step % recipe.long_every == recipe.long_every - 1 else recipe.short_seq
+    return windows(ids, max(1, recipe.batch_tokens // seq), seq + 1, generator)
+
+
+def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def cosine(peak: float, steps: int) -> Callable[[int], float]:
+    """Linear warm-up over 5% of the steps, then cosine decay to a tenth of the peak."""
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+    return lr_at
+
+
+def train(model: GPT2LMHeadModel, name: str, steps: int, lr_at: Callable[[int], float], step_loss) -> dict:
+    """Runs `steps` optimiser steps of step_loss(step) -> (loss, tokens), with progress lines."""
+    model.train()
+    opt = optimizer(model, lr_at(0))
+    start, tokens, every = time.perf_counter(), 0, max(1, steps // 40)
+    recent: list[float] = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss, step_tokens = step_loss(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += step_tokens
+        recent = (recent + [loss.item()])[-every:]
+        if (step + 1) % every == 0 or step + 1 == steps:
+            elapsed = time.perf_counter() - start
+            eta = elapsed / (step + 1) * (steps - step - 1)
+            log(
+                f"[{name}] step {step + 1}/{steps}  loss {sum(recent) / len(recent):.3f}  "
+                f"{tokens / elapsed:.0f} tokens/s  elapsed {elapsed / 60:.1f} min  eta {eta / 60:.1f} min"
+            )
+    model.eval()
+    return {"steps": steps, "tokens": tokens, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def greedy_continuations(model: GPT2LMHeadModel, ids: torch.Tensor, recipe: Recipe, generator: torch.Generator) -> torch.Tensor:
+    """[onpolicy_rows, prefix + new] token ids: training-file prefixes and the model's greedy
+    continuations of them, generated in batches with progress lines."""
+    rows, batch, start = [], 32, time.perf_counter()
+    for first in range(0, recipe.onpolicy_rows, batch):
+        prefixes = windows(ids, min(batch, recipe.onpolicy_rows - first), recipe.onpolicy_prefix, generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rows.append(
+                model.generate(
+                    prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=recipe.onpolicy_new_tokens,
+                    do_sample=False, pad_token_id=0, eos_token_id=None,
+                )  # fmt: skip
+            )
+        done = first + len(prefixes)
+        log(f"[continuations] {done}/{recipe.onpolicy_rows} rows  elapsed {(time.perf_counter() - start) / 60:.1f} min")
+    return torch.cat(rows)
+
+
+def distillation_batch(
+    ids: torch.Tensor, continuations: torch.Tensor, recipe: Recipe, step: int, generator: torch.Generator
+) -> torch.Tensor:  # fmt: skip
+    """Full-context real windows every long_every-th step (the draft must learn every
+    position); otherwise half the rows are target continuations, half real windows."""
+    if step % recipe.long_every == recipe.long_every - 1:
+        return pretraining_batch(ids, recipe, step, generator)
+    half = max(1, recipe.batch_tokens // (2 * continuations.shape[1]))
+    picked = continuations[torch.randint(len(continuations), (half,), generator=generator)]
+    return torch.cat([picked, windows(ids, half, continuations.shape[1], generator)])
+
+
+def distillation_loss(teacher: torch.nn.Module, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) of the next-token distributions at every position."""
+    inputs = batch[:, :-1]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        target_logits = teacher(input_ids=inputs).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        draft_logits = model(input_ids=inputs).logits
+    target_logp = F.log_softmax(target_logits.float(), dim=-1).flatten(0, 1)
+    draft_logp = F.log_softmax(draft_logits.float(), dim=-1).flatten(0, 1)
+    return F.kl_div(draft_logp, target_logp, log_target=True, reduction="batchmean")
+
+
+def compiled(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
+    """The model's forward compiled for training speed (same parameters, same results)."""
+    return torch.compile(model, dynamic=False) if recipe.compile else model
+
+
+def save(model: GPT2LMHeadModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
+    """fp16 weights (half the bytes); the services load them as float32."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.eos_token_id
+    model.to(torch.float16).save_pretrained(path)
+    model.to(torch.float32)
+    tokenizer.save_pretrained(path)
+
+
+# 5. evaluation ------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def heldout_loss(model: CausalLM, ids: torch.Tensor, window: int) -> float:
+    """Mean next-token cross-entropy (nats) over non-overlapping windows."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window + 1]
+        if len(chunk) < 2:
+            break
+        logits = model.forward(model.new_cache(len(chunk)), chunk[:-1].tolist())
+        total += F.cross_entropy(logits, chunk[1:], reduction="sum").item()
+        count += len(chunk) - 1
+    return total / count
+
+
+def unigram_loss(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab: int) -> float:
+    """Cross-entropy of add-one-smoothed training-token frequencies on eval_ids."""
+    counts = torch.bincount(train_ids, minlength=vocab).double() + 1
+    logp = (counts / counts.sum()).log()
+    return float(-logp[eval_ids[1:]].mean())
+
+
+def distinct_4gram_share(tokens: list[int]) -> float:
+    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], train_ids, eval_ids, recipe: Recipe) -> dict:
+    target = CausalLM.load(ModelSpec(str(target_dir)))
+    draft = CausalLM.load(ModelSpec(str(draft_dir)))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
+    window = min(512, recipe.context - 1)
+    log("[eval] held-out losses ...")
+    losses = {
+        "target": heldout_loss(target, eval_ids, window),
+        "draft": heldout_loss(draft, eval_ids, window),
+        "unigram": unigram_loss(train_ids, eval_ids, len(tokenizer)),
+    }
+    log(f"[eval] held-out loss (nats/token): target {losses['target']:.3f}, draft {losses['draft']:.3f}, unigram {losses['unigram']:.3f}")
+    per_prompt, proposed, accepted, shares, divergences = [], 0, 0, [], []
+    for i, item in enumerate(prompts):
+        ids = tokenizer.encode(item["prompt"])
+        spec = speculate(target, draft, ids, recipe.acceptance_tokens, recipe.k)
+        alone = speculate(target, None, ids, recipe.distinct_tokens, 0)
+        divergence = first_divergence(target, ids, alone.tokens[: recipe.acceptance_tokens], spec.tokens)
+        if divergence is not None:
+            divergences.append({"file": item["file"], **dataclasses.asdict(divergence)})
+        proposed += spec.proposed
+        accepted += spec.accepted
+        shares.append(distinct_4gram_share(alone.tokens))
+        per_prompt.append({"file": item["file"], "acceptance": spec.accepted / spec.proposed, "distinct_4gram": shares[-1]})
+        log(f"[eval] prompt {i + 1}/{len(prompts)} {item['file']}: acceptance {per_prompt[-1]['acceptance']:.2f}, distinct 4-grams {shares[-1]:.2f}")
+    log("[eval] forward costs ...")
+    costs = measure_costs(target, draft, context=min(512, recipe.context // 2), ks=(4, 8))
+    return {
+        "heldout_loss": losses,
+        "acceptance_rate": accepted / proposed,
+        "acceptance_k": recipe.k,
+        "acceptance_tokens_per_prompt": recipe.acceptance_tokens,
+        "distinct_4gram_mean": sum(shares) / len(shares),
+        "distinct_4gram_min": min(shares),
+        "greedy_divergences": divergences,
+        "per_prompt": per_prompt,
+        "costs": {
+            "target_step_ms": costs.target_step_s * 1e3,
+            "draft_step_ms": costs.draft_step_s * 1e3,
+            "c": costs.c,
+            "v4": costs.v[4],
+            "v8": costs.v[8],
+            "context": costs.context,
+            "threads": torch.get_num_threads(),
+            "runtime": target.backend,
+        },
+        "parameters": {"target": target.parameters, "draft": draft.parameters},
+    }
+
+
+# model cards ---------------------------------------------------------------------------
+
+
+def model_card(name: str, shape: Shape, report: dict) -> str:
+    e, t = report["evaluation"], report["training"][name]
+    costs = e["costs"]
+    lines = [
+        f"# specdec default {name}",
+        "",
+        f"Made by `python -m models.recipe` (seed {report['recipe']['seed']}) on {report['machine']}.",
+        "Python standard-library sources of the interpreter that ran the recipe "
+        f"({report['corpus']['python']}), tests and generated tables excluded; "
+        f"{report['corpus']['train_files']} training files ({report['corpus']['train_tokens']} tokens), "
+        f"{report['corpus']['heldout_files']} held-out files.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| architecture | GPT-2, {shape.n_layer} layers, width {shape.n_embd}, {shape.n_head} heads, "
+        f"{report['recipe']['context']} positions |",
+        f"| parameters | {e['parameters'][name]:,} (stored as float16, served as float32) |",
+        f"| tokenizer | byte-level BPE, {report['recipe']['vocab_size']} tokens, shared by target and draft |",
+        f"| training | {t['steps']} steps, {t['tokens']:,} tokens, {t['seconds'] / 60:.1f} min on {costs['threads']} CPU threads |",
+    ]
+    lines += [
+        f"| held-out loss | {e['heldout_loss'][name]:.3f} nats/token (unigram baseline {e['heldout_loss']['unigram']:.3f}) |",
+        f"| one forward step | {costs[name + '_step_ms']:.2f} ms (batch 1, cache of {costs['context']} tokens, "
+        f"{costs['runtime']} runtime) |",
+    ]
+    if name == "draft":
+        lines += [
+            "| objective | KL divergence to the target's next-token distributions (distillation), on real "
+            f"windows and {report['recipe']['onpolicy_rows']} greedy continuations by the target |",
+            f"| greedy acceptance vs the target | {e['acceptance_rate']:.3f} at k={e['acceptance_k']} "
+            f"on {len(e['per_prompt'])} held-out prompts ({e['acceptance_tokens_per_prompt']} new tokens each) |",
+            f"| cost ratio c (draft step / target step) | {costs['c']:.3f} |",
+        ]
+    else:
+        lines += [
+            "| objective | next-token cross-entropy |",
+            f"| verify cost v(4), v(8) | {costs['v4']:.2f}, {costs['v8']:.2f} (k+1 positions / one step) |",
+            f"| distinct 4-grams, {report['recipe']['distinct_tokens']}-token greedy continuations | "
+            f"mean {e['distinct_4gram_mean']:.2f}, "
+            f"min {e['distinct_4gram_min']:.2f} |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# the recipe ----------------------------------------------------------------------------
+
+
+def run(recipe: Recipe, out: Path) -> dict:
+    transformers_logging.disable_progress_bar()  # the recipe prints its own progress
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(recipe.threads)
+    started = time.perf_counter()
+    sources = stdlib_sources(recipe.max_files)
+    train_files = [s for s in sources if not is_heldout(s.path, recipe.heldout_every)]
+    heldout_files = [s for s in sources if is_heldout(s.path, recipe.heldout_every)]
+    log(f"[corpus] {len(train_files)} training files, {len(heldout_files)} held-out files")
+
+    tokenizer = train_tokenizer([s.text for s in train_files], recipe.vocab_size)
+    train_ids = encode_files(tokenizer, train_files)
+    eval_ids = encode_files(tokenizer, heldout_files)[: recipe.eval_tokens]
+    prompts = heldout_prompts(tokenizer, heldout_files, recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PROMPTS_FILE).write_text(json.dumps(prompts, indent=1, ensure_ascii=False) + "\n")
+    log(f"[tokenizer] {len(tokenizer)} tokens; corpus {len(train_ids):,} training tokens; {len(prompts)} held-out prompts")
+
+    target = new_gpt2(recipe.target, tokenizer, recipe.context)
+    fast_target = compiled(target, recipe)
+    data = torch.Generator().manual_seed(recipe.seed)
+
+    def pretraining_loss(step: int):
+        batch = pretraining_batch(train_ids, recipe, step, data)
+        return next_token_loss(fast_target, batch), batch[:, 1:].numel()
+
+    target_stats = train(target, "target", recipe.target_steps, cosine(recipe.target_lr, recipe.target_steps), pretraining_loss)
+    save(target, tokenizer, out / "target")
+    # The teacher is the saved target, exactly as the services will run it.
+    saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).eval()
+    continuations = greedy_continuations(saved_target, train_ids, recipe, data)
+    teacher = compiled(saved_target, recipe)
+    draft = new_gpt2(recipe.draft, tokenizer, recipe.context)
+    fast_draft = compiled(draft, recipe)
+
+    def distillation_step(step: int):
+        batch = distillation_batch(train_ids, continuations, recipe, step, data)
+        return distillation_loss(teacher, fast_draft, batch), batch[:, 1:].numel()
+
+    draft_stats = train(draft, "draft", recipe.draft_steps, cosine(recipe.draft_lr, recipe.draft_steps), distillation_step)
+    save(draft, tokenizer, out / "draft")
+
+    evaluation = evaluate(out / "target", out / "draft", prompts, train_ids, eval_ids, recipe)
+    report = {
+        "recipe": dataclasses.asdict(recipe),
+        "machine": f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}",
+        "corpus": {
+            "python": sys.version.split()[0],
+            "train_files": len(train_files),
+            "heldout_files": len(heldout_files),
+            "train_tokens": len(train_ids),
+            "eval_tokens": len(eval_ids),
+        },
+        "training": {"target": target_stats, "draft": draft_stats},
+        "evaluation": evaluation,
+        "total_minutes": round((time.perf_counter() - started) / 60, 1),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "target" / "README.md").write_text(model_card("target", recipe.target, report))
+    (out / "draft" / "README.md").write_text(model_card("draft", recipe.draft, report))
+    log(
+        f"[done] {report['total_minutes']} min: acceptance {evaluation['acceptance_rate']:.3f} at k={recipe.k}, "
+        f"c {evaluation['costs']['c']:.3f}, v(8) {evaluation['costs']['v8']:.2f}, "
+        f"distinct 4-grams {evaluation['distinct_4gram_mean']:.2f}; pair in {out}"
+    )
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.recipe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=MODELS_DIR, help="where the pair, prompts and report go")
+    parser.add_argument("--toy", action="store_true", help="tiny sizes and a few steps (seconds), as the tests run it")
+    args = parser.parse_args(argv)
+    run(TOY if args.toy else Recipe(), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

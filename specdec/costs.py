@@ -1,0 +1,79 @@
+"""Forward costs of a target/draft pair, the inputs of DESIGN.md's performance model.
+
+  c     = one draft step / one target step (single-token forwards with a warm cache)
+  v(k)  = one target forward over k+1 positions / one target step
+
+Each repetition runs what one round runs: a target step, then `draft_steps` draft steps
+in a row (a proposal), then the multi-position verifies; a draft step is the mean over
+its proposal, so its first step pays for the caches the target's weights just evicted,
+as it does in service. Timings on a shared machine are noisy, so ratios are taken per
+repetition and the reported figures are medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdec.runtime import CausalLM
+
+
+@dataclass(frozen=True)
+class Costs:
+    target_step_s: float  # median single-token target forward
+    draft_step_s: float  # median single-token draft forward
+    c: float  # median of per-repetition draft/target ratios
+    v: dict[int, float]  # k -> median of per-repetition verify(k+1 positions)/step ratios
+    context: int  # cached tokens behind each measured forward
+
+
+def _timed(model: CausalLM, cache, ids: list[int]) -> float:
+    length = cache.length
+    start = time.perf_counter()
+    model.forward(cache, ids)
+    elapsed = time.perf_counter() - start
+    cache.rollback(length)
+    return elapsed
+
+
+def _proposal(model: CausalLM, cache, steps: int) -> float:
+    length = cache.length
+    start = time.perf_counter()
+    for _ in range(steps):
+        model.forward(cache, [1])
+    elapsed = time.perf_counter() - start
+    cache.rollback(length)
+    return elapsed
+
+
+def measure_costs(
+    target: CausalLM,
+    draft: CausalLM,
+    context: int = 512,
+    ks: Sequence[int] = (4, 8),
+    repeats: int = 60,
+    draft_steps: int = 4,
+) -> Costs:
+    prefix = [(i * 7919) % target.vocab_size for i in range(context)]
+    target_cache, draft_cache = target.new_cache(), draft.new_cache()
+    target.forward(target_cache, prefix)
+    draft.forward(draft_cache, prefix)
+    steps, drafts, ratios_c = [], [], []
+    ratios_v: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(repeats):
+        step = _timed(target, target_cache, [1])
+        d = _proposal(draft, draft_cache, draft_steps) / draft_steps
+        steps.append(step)
+        drafts.append(d)
+        ratios_c.append(d / step)
+        for k in ks:
+            ratios_v[k].append(_timed(target, target_cache, [1] * (k + 1)) / step)
+    return Costs(
+        target_step_s=statistics.median(steps),
+        draft_step_s=statistics.median(drafts),
+        c=statistics.median(ratios_c),
+        v={k: statistics.median(r) for k, r in ratios_v.items()},
+        context=context,
+    )

@@ -1,0 +1,120 @@
+"""A lean forward for GPT-2-architecture models over a preallocated ("static") KV cache.
+
+transformers' generic forward spends about half a millisecond per step on Python
+bookkeeping (module hooks, mask construction, cache objects, output dataclasses), which
+for a small draft model is most of its step. This module runs the same weights with the
+same math in a handful of tensor ops per layer, writing keys and values in place into a
+cache allocated once per session, so a rollback is just a length change. Its logits
+match transformers' to float32 rounding (tests/test_runtime.py checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2LMHeadModel, PreTrainedModel
+
+
+def supports(model: PreTrainedModel) -> str | None:
+    """None when the model can run here, else why not."""
+    if not isinstance(model, GPT2LMHeadModel):
+        return f"architecture {type(model).__name__} is not GPT-2"
+    config = model.config
+    checks = {
+        "activation_function is not gelu_new": config.activation_function != "gelu_new",
+        "scale_attn_weights is off": not config.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx is on": config.scale_attn_by_inverse_layer_idx,
+        "reorder_and_upcast_attn is on": config.reorder_and_upcast_attn,
+        "cross-attention is on": config.add_cross_attention,
+    }
+    failed = [why for why, bad in checks.items() if bad]
+    return "; ".join(failed) or None
+
+
+@dataclass
+class _Layer:
+    ln1: tuple[torch.Tensor, torch.Tensor]
+    attn_w: torch.Tensor  # [C, 3C]
+    attn_b: torch.Tensor  # [3C]
+    proj_w: torch.Tensor  # [C, C]
+    proj_b: torch.Tensor
+    ln2: tuple[torch.Tensor, torch.Tensor]
+    fc_w: torch.Tensor  # [C, 4C]
+    fc_b: torch.Tensor
+    out_w: torch.Tensor  # [4C, C]
+    out_b: torch.Tensor
+
+
+class StaticCache:
+    """Keys and values of one session, [layers, heads, capacity, head_dim] each."""
+
+    def __init__(self, layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.capacity = capacity
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class StaticGPT2:
+    def __init__(self, model: GPT2LMHeadModel) -> None:
+        config = model.config
+        t = model.transformer
+        self.heads = config.n_head
+        self.width = config.n_embd
+        self.head_dim = self.width // self.heads
+        self.eps = config.layer_norm_epsilon
+        self.wte = t.wte.weight
+        self.wpe = t.wpe.weight
+        self.lm_head = model.lm_head.weight  # [V, C], tied to wte in GPT-2
+        self.ln_f = (t.ln_f.weight, t.ln_f.bias)
+        self.layers = [
+            _Layer(
+                ln1=(block.ln_1.weight, block.ln_1.bias),
+                attn_w=block.attn.c_attn.weight,
+                attn_b=block.attn.c_attn.bias,
+                proj_w=block.attn.c_proj.weight,
+                proj_b=block.attn.c_proj.bias,
+                ln2=(block.ln_2.weight, block.ln_2.bias),
+                fc_w=block.mlp.c_fc.weight,
+                fc_b=block.mlp.c_fc.bias,
+                out_w=block.mlp.c_proj.weight,
+                out_b=block.mlp.c_proj.bias,
+            )
+            for block in t.h
+        ]
+
+    def new_cache(self, capacity: int) -> StaticCache:
+        return StaticCache(len(self.layers), self.heads, capacity, self.head_dim, self.wte.dtype, self.wte.device)
+
+    @torch.inference_mode()
+    def forward(self, cache: StaticCache, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of ids [n] at positions start..start+n-1; writes their keys and
+        values into the cache at those positions."""
+        n = ids.shape[0]
+        end = start + n
+        if end > cache.capacity:
+            raise ValueError(f"{end} positions exceed the session's cache of {cache.capacity}")
+        x = self.wte[ids] + self.wpe[start:end]  # [n, C]
+        # Query i (absolute position start+i) sees keys 0..start+i.
+        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for index, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (self.width,), *layer.ln1, self.eps)
+            qkv = torch.addmm(layer.attn_b, h, layer.attn_w).view(n, 3, self.heads, self.head_dim)
+            q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, n, D]
+            cache.keys[index, :, start:end] = k
+            cache.values[index, :, start:end] = v
+            attended = F.scaled_dot_product_attention(
+                q, cache.keys[index, :, :end], cache.values[index, :, :end], attn_mask=mask, scale=scale
+            )  # [H, n, D]
+            x = x + torch.addmm(layer.proj_b, attended.transpose(0, 1).reshape(n, self.width), layer.proj_w)
+            h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
+            h = F.gelu(torch.addmm(layer.fc_b, h, layer.fc_w), approximate="tanh")
+            x = x + torch.addmm(layer.out_b, h, layer.out_w)
+        x = F.layer_norm(x, (self.width,), *self.ln_f, self.eps)
+        return x @ self.lm_head.T

@@ -1,0 +1,149 @@
+"""The embedded default pair: the recipe runs end to end (toy scale), the committed pair
+loads like any checkpoint, shares its tokenizer, reproduces its reported figures when
+measured here (the quality goals it misses are strict expected failures), and serves
+through `specdec serve` / `specdec generate`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from models import recipe
+from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS_DIR
+from specdec.offline import speculate
+from specdec.runtime import CausalLM, ModelSpec
+from tests.conftest import free_port
+from tests.test_cli import SPECDEC, Lines
+
+PROMPTS = json.loads((MODELS_DIR / recipe.PROMPTS_FILE).read_text())
+REPORT = json.loads((MODELS_DIR / "report.json").read_text())
+
+
+def test_recipe_runs_end_to_end_at_toy_scale_and_repeats(tmp_path):
+    first = recipe.run(recipe.TOY, tmp_path / "a")
+    for name in ("target", "draft"):
+        model = CausalLM.load(ModelSpec(str(tmp_path / "a" / name)))
+        assert model.max_positions == recipe.TOY.context
+        assert (tmp_path / "a" / name / "README.md").read_text().startswith(f"# specdec default {name}")
+    prompts = json.loads((tmp_path / "a" / recipe.PROMPTS_FILE).read_text())
+    assert prompts and all(p["file"].endswith(".py") and p["prompt"] for p in prompts)
+    assert set(first["evaluation"]) >= {"heldout_loss", "acceptance_rate", "distinct_4gram_mean", "costs"}
+    assert first["evaluation"]["greedy_divergences"] == []  # speculation stayed lossless
+    second = recipe.run(recipe.TOY, tmp_path / "b")  # same seed: same pair, same figures
+    assert (tmp_path / "a" / "target" / "model.safetensors").read_bytes() == (tmp_path / "b" / "target" / "model.safetensors").read_bytes()
+    assert second["evaluation"]["acceptance_rate"] == first["evaluation"]["acceptance_rate"]
+
+
+def test_heldout_split_is_by_file():
+    train = {s.path for s in recipe.stdlib_sources(0) if not recipe.is_heldout(s.path, recipe.Recipe.heldout_every)}
+    assert train and not train & {p["file"] for p in PROMPTS}
+    test_dirs = {"test", "tests", "idle_test"}  # the stdlib's test suites; `unittest` itself is library code
+    assert not any(part in test_dirs or part.startswith("test_") for path in train for part in Path(path).parts)
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[CausalLM, CausalLM]:
+    return CausalLM.load(ModelSpec(DEFAULT_TARGET)), CausalLM.load(ModelSpec(DEFAULT_DRAFT))
+
+
+def test_committed_pair_loads_like_any_checkpoint_and_shares_the_tokenizer(pair):
+    target, draft = pair
+    assert target.max_positions >= 2048 and draft.max_positions >= 2048
+    assert target.vocab_size == draft.vocab_size
+    assert draft.parameters * 5 < target.parameters
+    a, b = AutoTokenizer.from_pretrained(DEFAULT_TARGET), AutoTokenizer.from_pretrained(DEFAULT_DRAFT)
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()  # vocabulary, merges, special tokens
+    assert a.eos_token_id == b.eos_token_id == target.model.generation_config.eos_token_id
+
+
+def test_committed_pair_fits_in_30_mb():
+    files = [p for d in (DEFAULT_TARGET, DEFAULT_DRAFT) for p in Path(d).iterdir()]
+    assert sum(p.stat().st_size for p in files) <= 30 * 2**20
+
+
+def live_acceptance(pair: tuple[CausalLM, CausalLM]) -> float:
+    """Greedy acceptance at k=4 on every committed held-out prompt, measured now, as the recipe did."""
+    target, draft = pair
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    proposed = accepted = 0
+    for item in PROMPTS:
+        result = speculate(target, draft, tokenizer.encode(item["prompt"]), 128, k=4)
+        proposed += result.proposed
+        accepted += result.accepted
+    return accepted / proposed
+
+
+@pytest.fixture(scope="module")
+def acceptance(pair) -> float:
+    return live_acceptance(pair)
+
+
+def test_committed_figures_are_what_is_measured_here(acceptance):
+    """The report's acceptance reproduces live; the cost structure and recipe time meet the sizing."""
+    assert acceptance == pytest.approx(REPORT["evaluation"]["acceptance_rate"], abs=0.02)
+    losses = REPORT["evaluation"]["heldout_loss"]
+    assert losses["target"] <= losses["unigram"] - 2.0  # perplexity at least e^2 (7.4x) below the unigram's
+    assert losses["target"] < losses["draft"]
+    costs = REPORT["evaluation"]["costs"]
+    assert costs["c"] <= 0.1 and costs["v8"] <= 1.5
+    assert REPORT["total_minutes"] <= 75
+
+
+@pytest.mark.xfail(strict=True, reason="issue 4 open: the committed pair's greedy acceptance at k=4 is below 0.6")
+def test_acceptance_goal(acceptance):
+    assert acceptance >= 0.6
+
+
+@pytest.mark.xfail(strict=True, reason="issue 4 open: the committed target's greedy continuations loop")
+def test_target_is_not_a_repetition_machine(pair):
+    target, _ = pair
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    shares = [
+        recipe.distinct_4gram_share(speculate(target, None, tokenizer.encode(item["prompt"]), 256, k=0).tokens)
+        for item in PROMPTS[:6]
+    ]
+    assert sum(shares) / len(shares) >= 0.5
+
+
+def test_generate_through_the_default_pair(tmp_path):
+    """`specdec serve` with no model flags serves the committed pair; a held-out prompt
+    streams its continuation, and speculation changes nothing (greedy)."""
+    port = free_port()
+    serve = subprocess.Popen(
+        [*SPECDEC, "serve", "--port", str(port), "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = Lines(serve)
+    try:
+        ready = lines.wait_for("specdec ready", timeout=180)
+        assert f"target {DEFAULT_TARGET}" in ready and f"draft {DEFAULT_DRAFT}" in ready
+        outputs = {}
+        for mode in ("on", "off"):
+            result = subprocess.run(
+                [*SPECDEC, "generate", "-", "--gateway", f"127.0.0.1:{port}", "--json", "--max-new-tokens", "96",
+                 "--speculation", mode],
+                input=PROMPTS[0]["prompt"], capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            outputs[mode] = json.loads(result.stdout.splitlines()[-1])
+        assert outputs["on"]["token_ids"] == outputs["off"]["token_ids"]
+        assert len(outputs["on"]["token_ids"]) == 96 and outputs["on"]["text"].strip()
+        assert outputs["on"]["acceptance_rate"] > 0  # the draft is used, not bypassed
+        assert outputs["on"]["usage"]["rounds"] < outputs["off"]["usage"]["rounds"]
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_recipe_has_help():
+    result = subprocess.run([sys.executable, "-m", "models.recipe", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--toy" in result.stdout

@@ -1,0 +1,73 @@
+"""The model runtime: the lean static-cache GPT-2 forward gives transformers' logits, both
+backends roll back correctly, and any other architecture runs on transformers' forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.runtime import CausalLM, ModelSpec
+
+
+@pytest.fixture(scope="module")
+def pair(toy) -> dict[str, CausalLM]:
+    return {backend: CausalLM.load(ModelSpec(str(toy.target), backend=backend)) for backend in ("static-gpt2", "transformers")}
+
+
+def test_auto_picks_the_static_forward_for_gpt2(toy):
+    assert CausalLM.load(ModelSpec(str(toy.target))).backend == "static-gpt2"
+
+
+def test_static_forward_matches_transformers_through_steps_and_rollbacks(pair):
+    static, generic = pair["static-gpt2"], pair["transformers"]
+    caches = {name: model.new_cache(300) for name, model in pair.items()}
+    ids = [(i * 37) % static.vocab_size for i in range(120)]
+    # prefill, single steps, a multi-token verify, a rollback into it, more steps
+    plan = [("feed", ids[:60]), ("feed", ids[60:61]), ("feed", ids[61:70]), ("rollback", 63), ("feed", ids[63:64]), ("feed", ids[64:90])]
+    for action, arg in plan:
+        if action == "rollback":
+            for cache in caches.values():
+                cache.rollback(arg)
+            continue
+        a = static.forward(caches["static-gpt2"], arg)
+        b = generic.forward(caches["transformers"], arg)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (action, len(arg), (a - b).abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("backend", ["static-gpt2", "transformers"])
+def test_rollback_then_forward_equals_recompute(pair, backend):
+    model = pair[backend]
+    ids = list(range(10, 40))
+    cache = model.new_cache(64)
+    model.forward(cache, ids[:20])
+    model.forward(cache, [7, 7, 7, 7])  # a rejected continuation
+    cache.rollback(20)
+    assert cache.length == 20
+    logits = model.forward(cache, ids[20:])
+    assert torch.allclose(logits, model.forward(model.new_cache(64), ids)[20:], atol=1e-5)
+    with pytest.raises(ValueError):
+        cache.rollback(31)
+
+
+def test_capacity_is_enforced(pair):
+    model = pair["static-gpt2"]
+    cache = model.new_cache(8)
+    model.forward(cache, [1] * 8)
+    with pytest.raises(ValueError, match="capacity"):
+        model.forward(cache, [1])
+
+
+def test_other_architectures_run_on_transformers(tmp_path):
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = CausalLM.load(ModelSpec(str(tmp_path)))
+    assert model.backend == "transformers"
+    cache = model.new_cache()
+    model.forward(cache, [1, 2, 3])
+    cache.rollback(1)
+    assert torch.allclose(model.forward(cache, [5])[-1], model.forward(model.new_cache(), [1, 5])[-1], atol=1e-5)
+    with pytest.raises(ValueError, match="static-gpt2"):
+        CausalLM.load(ModelSpec(str(tmp_path), backend="static-gpt2"))
