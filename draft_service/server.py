@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
+import threading
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,11 +18,17 @@ from draft_service.drafter import Close, Drafter, Open, Propose
 from specdec import defaults
 from specdec.engine import Engine
 from specdec.errors import ServiceError
+from specdec.facts import peer_facts
+from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
+from specdec.host import HostProbe
+from specdec.pairing import REFUSAL_FACTS_KEY, check_verifier, describe_host, transport_of_peer
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.serving import Service, setup_logging
-from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc, pairing_pb2
+
+MAX_PAIRINGS = 64  # pairing ids remembered (one per verify-service connection)
 
 
 @dataclass(frozen=True)
@@ -35,13 +45,51 @@ class DraftConfig:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, engine: Engine, model_name: str, step_time_s: float) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        engine: Engine,
+        model_name: str,
+        step_time_s: float,
+        tokenizer: pairing_pb2.TokenizerFingerprint,
+        probe: HostProbe,
+        log: logging.Logger,
+    ) -> None:
         self._drafter = drafter
         self._engine = engine
         self._model_name = model_name
         self._step_time_s = step_time_s
+        self._tokenizer = tokenizer
+        self._probe = probe
+        self._log = log
+        self._lock = threading.Lock()
+        self._pairings: OrderedDict[str, str] = OrderedDict()  # pairing id -> verifier host
+
+    def Pair(self, request: pairing_pb2.PairRequest, context: grpc.ServicerContext):
+        facts = peer_facts(self._drafter.model, self._model_name, self._tokenizer, self._probe, max_sessions=0)
+        transport = transport_of_peer(context.peer())
+        refusal = check_verifier(transport, request.verifier, facts, request.allow_different_tokenizer)
+        verifier = describe_host(request.verifier.host)
+        if refusal:
+            self._log.warning("refused the verify service at %s: %s", verifier, refusal)
+            context.set_trailing_metadata(((REFUSAL_FACTS_KEY, facts.SerializeToString()),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        pairing_id = uuid.uuid4().hex
+        with self._lock:
+            self._pairings[pairing_id] = verifier
+            while len(self._pairings) > MAX_PAIRINGS:
+                self._pairings.popitem(last=False)
+        self._log.info("paired with the verify service at %s (%s)", verifier, context.peer())
+        return pairing_pb2.PairResponse(draft=facts, pairing_id=pairing_id, step_time_us=int(self._step_time_s * 1e6))
 
     def OpenSession(self, request: draft_pb2.OpenSessionRequest, context: grpc.ServicerContext):
+        with self._lock:
+            paired = request.pairing_id in self._pairings
+        if not paired:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this verify service is not paired with the draft (unknown pairing_id): call Pair first",
+            )
         sampling = request.sampling
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
@@ -85,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(
         DraftConfig, argv, "python -m draft_service", "specdec draft service: proposes draft tokens", "SPECDEC_DRAFT"
     )
+    return serve(config, HostProbe())
+
+
+def serve(config: DraftConfig, probe: HostProbe) -> int:
+    """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
     log = setup_logging("draft")
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -93,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     drafter = Drafter(model, config.support_size)
     engine = Engine(drafter.execute, "draft-engine")
     service = Service("draft", config.listen, config.workers, config.grace_s)
-    servicer = DraftServicer(drafter, engine, config.model, step_time_s)
+    servicer = DraftServicer(drafter, engine, config.model, step_time_s, load_fingerprint(config.model), probe, log)
     service.add(
         draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name,
         lambda server: draft_pb2_grpc.add_DraftServicer_to_server(servicer, server),

@@ -56,6 +56,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()  # after a stop sequence this frees the verify session; else a no-op
 
+    def GetInfo(self, request: generation_pb2.GatewayInfoRequest, context: grpc.ServicerContext):
+        try:
+            verify = self._verify.GetInfo(
+                verify_pb2.VerifyInfoRequest(recent_requests=request.recent_requests), timeout=remaining_timeout(context)
+            )
+        except grpc.RpcError as err:
+            context.abort(err.code(), f"verify service at {self._config.verify}: {err.details()}")
+        return generation_pb2.GatewayInfo(verify_address=self._config.verify, tokenizer=self._config.tokenizer, verify=verify)
+
     def _decode_request(self, request: generation_pb2.GenerateRequest) -> verify_pb2.DecodeRequest:
         which = request.WhichOneof("prompt")
         if which == "text" and request.text:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from specdec import defaults
+from specdec import defaults, doctor
 from specdec.client import connect, generate
 from specdec.launcher import Stack, StackConfig, StackError
 from specdec.v1 import common_pb2, generation_pb2
@@ -153,6 +153,19 @@ def _demo_runs(args: argparse.Namespace, config: StackConfig) -> int:
     return 0 if same == "yes" else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    gateway = args.gateway or _env("SPECDEC_GATEWAY", defaults.GATEWAY_ADDRESS)
+    where = args.verify or gateway
+    try:
+        info = doctor.fetch_info(args.verify, gateway, args.requests, args.timeout)
+    except grpc.RpcError as err:
+        print(f"specdec doctor: cannot ask {where}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 2
+    found = doctor.checks(info)
+    print(json.dumps(doctor.report_json(found, info), indent=1) if args.json else doctor.report_text(found))
+    return 0 if all(c.verdict != doctor.FAIL for c in found) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as a gRPC service pair.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the request, in seconds")
     gen.add_argument("--json", action="store_true", help="one JSON object per streamed message, then a summary")
     gen.set_defaults(func=cmd_generate)
+
+    doc = sub.add_parser(
+        "doctor", help="check the deployment guide's five points against live services (exit 1 when one fails)"
+    )
+    doc.add_argument("--gateway", help="gateway HOST:PORT to ask (default $SPECDEC_GATEWAY or 127.0.0.1:50051)")
+    doc.add_argument("--verify", help="verify service address to ask directly instead (host:port or unix:///path)")
+    doc.add_argument("--requests", type=int, default=100, help="recent requests the length and acceptance checks cover")
+    doc.add_argument("--timeout", type=float, default=10.0, help="deadline of the query, in seconds")
+    doc.add_argument("--json", action="store_true", help="one JSON object: each check's verdict and figure")
+    doc.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -43,7 +43,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix:
                 default = _convert(kind, os.environ[env])
             except ValueError as exc:
                 parser.error(f"${env}: {exc}")
-        help_text = f"{f.metadata.get('help', '')} (env {env}; default: %(default)s)"
+        written = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
+        help_text = f"{written} (env {env}; default: %(default)s)"
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)

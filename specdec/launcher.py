@@ -27,6 +27,7 @@ class StackConfig:
     with_draft: bool = True  # False: the verify service runs without a draft service
     draft_tcp: str = ""  # host:port to reach the draft over TCP instead of a unix socket
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
+    programs: dict[str, list[str]] = field(default_factory=dict)  # per service: run this instead of python -m
 
     @property
     def draft_address(self) -> str:
@@ -49,7 +50,8 @@ class StackConfig:
             "gateway": ["--tokenizer", self.target, "--verify", self.verify_address],
         }[service]
         module = f"{service}_service" if service != "gateway" else "gateway"
-        return [sys.executable, "-m", module, "--listen", self.address(service), *args, *self.extra_args.get(service, [])]
+        program = self.programs.get(service) or [sys.executable, "-m", module]
+        return [*program, "--listen", self.address(service), *args, *self.extra_args.get(service, [])]
 
 
 class StackError(RuntimeError):

@@ -94,6 +94,23 @@ class CausalLM:
         return sum(p.numel() for p in self.model.parameters())
 
     @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one position holds in every layer."""
+        config = self.model.config.get_text_config()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         eos = self.model.generation_config.eos_token_id
         if eos is None:

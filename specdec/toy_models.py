@@ -8,6 +8,7 @@ draft's weights are from the target's.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,4 +87,17 @@ def perturbed_copy(src: Path, out_dir: Path, noise: float, seed: int) -> Path:
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out_dir / name)
+    return out_dir
+
+
+def foreign_tokenizer_copy(src: Path, out_dir: Path) -> Path:
+    """The model at src with a tokenizer that is not its own: same vocabulary size, but
+    the last two learned tokens swap ids, so the same text encodes to other ids."""
+    shutil.copytree(src, out_dir)
+    path = out_dir / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(spec, ensure_ascii=False))
     return out_dir

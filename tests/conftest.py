@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from specdec import fingerprint
 from specdec.launcher import Stack, StackConfig
+from specdec.v1 import pairing_pb2
 from specdec.toy_models import ToySize, build_model, build_tokenizer, perturbed_copy
 
 
@@ -48,7 +50,12 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
     stacks: list[Stack] = []
 
     def start(
-        target: Path, draft: Path, with_draft: bool = True, args: dict[str, list[str]] | None = None, draft_tcp: str = ""
+        target: Path,
+        draft: Path,
+        with_draft: bool = True,
+        args: dict[str, list[str]] | None = None,
+        draft_tcp: str = "",
+        programs: dict[str, list[str]] | None = None,
     ) -> Stack:
         # unix socket paths must stay under ~100 characters
         workdir = Path(tmp_path_factory.mktemp("stack", numbered=True))
@@ -60,6 +67,7 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
             with_draft=with_draft,
             extra_args=args or {},
             draft_tcp=draft_tcp,
+            programs=programs or {},
         )
         stack = Stack(config)
         stacks.append(stack)
@@ -73,3 +81,22 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
     yield start
     for stack in stacks:
         stack.stop()
+
+
+BOOT = "b7c1f2a0-1111-4c4c-9e9e-000000000001"
+
+
+@pytest.fixture
+def facts(toy):
+    target_fp = fingerprint.load_fingerprint(str(toy.target))
+
+    def make(gpu: str = "", boot: str = BOOT, host: str = "node-a", tokenizer=None, total: int = 100, used: int = 10):
+        return pairing_pb2.PeerFacts(
+            host=pairing_pb2.HostIdentity(boot_id=boot, hostname=host, pid=1),
+            device=pairing_pb2.DeviceFacts(device="cuda:0" if gpu else "cpu", gpu_uuid=gpu),
+            model=pairing_pb2.ModelFacts(vocab_size=400),
+            tokenizer=tokenizer or target_fp,
+            memory=pairing_pb2.MemoryFacts(kind="host", total_bytes=total, weights_bytes=5, used_bytes=used, kv_budget_bytes=10),
+        )
+
+    return make

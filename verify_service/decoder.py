@@ -11,13 +11,14 @@ from __future__ import annotations
 import secrets
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from specdec import requests
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.engine import Engine
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.usage import UsageTally
@@ -26,6 +27,8 @@ from verify_service.draft_client import DraftClient, DraftLost, DraftSession
 from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
 
 SPECULATING = common_pb2.Speculation(speculating=True)
+RECENT_CAPACITY = 10_000  # finished requests remembered for RecentRequests
+DEFAULT_RECENT = 100
 
 
 def target_only(reason: common_pb2.TargetOnlyReason, detail: str) -> common_pb2.Speculation:
@@ -64,15 +67,45 @@ class Totals:
     accepted: int = 0
 
 
+@dataclass(frozen=True)
+class Finished:
+    """What RecentRequests keeps of a finished request."""
+
+    completion_tokens: int
+    proposed: int
+    accepted: int
+
+
 class Decoder:
-    def __init__(self, engine: Engine, model: CausalLM, draft: DraftClient | None, max_new_tokens_limit: int) -> None:
+    def __init__(
+        self, engine: Engine, model: CausalLM, draft: DraftClient | None, max_new_tokens_limit: int, max_sessions: int
+    ) -> None:
         self._engine = engine
         self._model = model
         self._draft = draft
         self._eos = model.eos_token_ids
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.max_sessions = max_sessions
         self.totals = Totals()
+        self._finished: deque[Finished] = deque(maxlen=RECENT_CAPACITY)
         self._lock = threading.Lock()
+
+    def recent(self, window: int) -> verify_pb2.RecentRequests:
+        """Totals over the last `window` finished requests (0: DEFAULT_RECENT)."""
+        window = window or DEFAULT_RECENT
+        with self._lock:
+            last = list(self._finished)[-window:]
+        proposed = sum(f.proposed for f in last)
+        accepted = sum(f.accepted for f in last)
+        return verify_pb2.RecentRequests(
+            window=window,
+            requests=len(last),
+            mean_completion_tokens=sum(f.completion_tokens for f in last) / len(last) if last else 0.0,
+            speculated_requests=sum(f.proposed > 0 for f in last),
+            draft_tokens_proposed=proposed,
+            draft_tokens_accepted=accepted,
+            acceptance_rate=accepted / proposed if proposed else 0.0,
+        )
 
     def plan(self, request: verify_pb2.DecodeRequest) -> Plan:
         """Validates a request (InvalidArgument naming the field) and resolves defaults."""
@@ -95,8 +128,14 @@ class Decoder:
         )
 
     def decode(self, plan: Plan) -> Iterator[verify_pb2.DecodeChunk]:
+        """Streams the request's rounds; raises ResourceExhausted before the first one when
+        max_sessions requests are being served."""
         sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
         with self._lock:
+            if self.totals.active >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"{self.totals.active} requests are being decoded, the limit (--max-sessions) is {self.max_sessions}"
+                )
             self.totals.requests += 1
             self.totals.active += 1
         draft: DraftSession | None = None
@@ -118,6 +157,11 @@ class Decoder:
             with self._lock:
                 self.totals.active -= 1
         if final is not None:
+            usage = final.usage
+            with self._lock:
+                self._finished.append(
+                    Finished(usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted)
+                )
             yield final
 
     def _rounds(
@@ -181,10 +225,15 @@ class Decoder:
         if self._draft is None:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "no draft service is configured")
         try:
-            info = self._draft.info()
+            pairing = self._draft.attach()
         except DraftLost as lost:
             return None, target_only(lost.reason, str(lost))
-        if plan.capacity > info.max_positions:
-            detail = f"the output would not fit the draft's context of {info.max_positions} positions"
+        max_positions = pairing.draft.model.max_positions
+        if plan.capacity > max_positions:
+            detail = f"the output would not fit the draft's context of {max_positions} positions"
             return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail)
-        return self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity), SPECULATING
+        speculation = SPECULATING
+        if pairing.overrides:
+            detail = f"paired under operator override: {', '.join(pairing.overrides)}"
+            speculation = common_pb2.Speculation(speculating=True, detail=detail)
+        return self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity), speculation

@@ -1,17 +1,20 @@
-"""The verify service's side of the draft service: sessions, per-round deadlines, and
-the translation of every draft failure into a target-only reason."""
+"""The verify service's side of the draft service: the pairing handshake, sessions,
+per-round deadlines, and the translation of every draft failure or refusal into a
+target-only reason."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from specdec.pairing import REFUSAL_FACTS_KEY, PairingPolicy, base_record, decide, describe_refused_draft, transport_of_address
 from specdec.serving import channel_options
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, pairing_pb2
 from verify_service.verifier import DraftProposal
 
 
@@ -41,61 +44,122 @@ class DraftDeadlines:
 
 
 class DraftClient:
-    def __init__(self, address: str, deadlines: DraftDeadlines, target_vocab_size: int) -> None:
+    """Pairs with the draft service before sending it any session, and re-pairs after
+    the draft was lost. Thread-safe: every request's handler thread shares it."""
+
+    def __init__(
+        self,
+        address: str,
+        deadlines: DraftDeadlines,
+        own_facts: Callable[[], pairing_pb2.PeerFacts],
+        policy: PairingPolicy,
+        log: logging.Logger,
+    ) -> None:
         self.address = address
         self.deadlines = deadlines
-        self._target_vocab_size = target_vocab_size
+        self._own_facts = own_facts
+        self._policy = policy
+        self._log = log
+        self._transport = transport_of_address(address)
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._lock = threading.Lock()
-        self._info: draft_pb2.DraftInfo | None = None
+        self._pairing = pairing_pb2.Pairing(state=pairing_pb2.PAIRING_STATE_UNSPECIFIED, transport=self._transport)
+        self._pairing_id = ""  # set while paired
         self._seconds_per_token: float | None = None  # moving average of observed proposals
-        self._lost: DraftLost | None = None  # the last failure, answered until _retry_at
+        self._lost: DraftLost | None = None  # the last failure or refusal, answered until _retry_at
         self._retry_at = 0.0
 
-    def info(self) -> draft_pb2.DraftInfo:
-        """The draft's description, fetched once per connection; raises DraftLost.
+    @property
+    def pairing(self) -> pairing_pb2.Pairing:
+        with self._lock:
+            return pairing_pb2.Pairing.FromString(self._pairing.SerializeToString())
 
-        After a failure the draft is not asked again for RETRY_S, so that a stalled draft
-        costs new requests nothing while it is down."""
+    def attach(self, now: bool = False) -> pairing_pb2.Pairing:
+        """The pairing record of a paired draft, running the handshake when there is none;
+        raises DraftLost when the draft is refused or unreachable.
+
+        After a failure or a refusal the handshake is not tried again for RETRY_S (unless
+        `now`), so that a draft that is down or refused costs new requests nothing."""
         with self._lock:
-            if self._info is not None:
-                return self._info
-            if self._lost is not None and time.monotonic() < self._retry_at:
+            if self._pairing_id:
+                return self._pairing
+            if not now and self._lost is not None and time.monotonic() < self._retry_at:
                 raise self._lost
+        own = self._own_facts()
+        request = pairing_pb2.PairRequest(verifier=own, allow_different_tokenizer=self._policy.allow_different_tokenizer)
         try:
-            info = self._stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=min(self.deadlines.open_s, RETRY_S))
-            if info.vocab_size != self._target_vocab_size:
-                raise DraftLost(
-                    common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE,
-                    f"draft vocabulary has {info.vocab_size} tokens, the target's {self._target_vocab_size}",
-                )
+            response = self._stub.Pair(request, timeout=min(self.deadlines.open_s, RETRY_S))
         except grpc.RpcError as error:
-            self.forget(DraftLost.from_rpc(error, "info"))
-            raise self._lost from None
-        except DraftLost as lost:
-            self.forget(lost)
-            raise
+            record = base_record(self._transport, own)
+            record.status = error.code().name
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                record.state = pairing_pb2.PAIRING_STATE_REFUSED
+                record.detail = f"the draft service refused to pair: {error.details()}"
+                for key, value in error.trailing_metadata() or ():
+                    if key == REFUSAL_FACTS_KEY:
+                        describe_refused_draft(record, own, pairing_pb2.PeerFacts.FromString(value))
+                lost = DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_REFUSED, record.detail)
+            else:
+                record.state = pairing_pb2.PAIRING_STATE_UNREACHABLE
+                lost = DraftLost.from_rpc(error, "pairing handshake")
+                record.detail = str(lost)
+            self._settle(record, "", lost)
+            raise lost from None
+        record = decide(self._transport, own, response.draft, self._policy)
+        if record.state != pairing_pb2.PAIRING_STATE_PAIRED:
+            lost = DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_REFUSED, f"draft refused: {record.detail}")
+            self._settle(record, "", lost)
+            raise lost
+        self._settle(record, response.pairing_id, None)
         with self._lock:
-            self._info = info
             if self._seconds_per_token is None:
-                self._seconds_per_token = info.step_time_us * 1e-6
-        return info
+                self._seconds_per_token = response.step_time_us * 1e-6
+        return record
+
+    def _settle(self, record: pairing_pb2.Pairing, pairing_id: str, lost: DraftLost | None) -> None:
+        """Stores the handshake's outcome; logs it when it changed."""
+        with self._lock:
+            changed = (record.state, record.detail, list(record.warnings)) != (
+                self._pairing.state, self._pairing.detail, list(self._pairing.warnings),
+            )  # fmt: skip
+            self._pairing, self._pairing_id, self._lost = record, pairing_id, lost
+            if lost is not None:
+                self._retry_at = time.monotonic() + RETRY_S
+        if not changed:
+            return
+        if record.state == pairing_pb2.PAIRING_STATE_PAIRED:
+            self._log.info(
+                "paired with the draft at %s: %s, link %s (%s), target memory share %.1f%%, tokenizers %s%s%s",
+                self.address, record.draft_host, pairing_pb2.GpuLink.Name(record.link), record.link_detail,
+                record.target_memory_share * 100, "match" if record.tokenizer_match else "DIFFER",
+                f", overrides: {', '.join(record.overrides)}" if record.overrides else "",
+                f", warnings: {'; '.join(record.warnings)}" if record.warnings else "",
+            )  # fmt: skip
+        else:
+            self._log.warning(
+                "draft at %s %s: %s", self.address, pairing_pb2.PairingState.Name(record.state), record.detail
+            )
 
     def forget(self, lost: DraftLost) -> None:
-        """Drops what is known of the draft after a failure; asks again after RETRY_S."""
+        """Drops the pairing after a failure; the handshake runs again after RETRY_S."""
         with self._lock:
-            self._info = None
-            self._lost = lost
-            self._retry_at = time.monotonic() + RETRY_S
+            record = pairing_pb2.Pairing.FromString(self._pairing.SerializeToString())
+        record.state = pairing_pb2.PAIRING_STATE_UNREACHABLE
+        record.status = "UNAVAILABLE"
+        record.detail = str(lost)
+        self._settle(record, "", lost)
 
     def open(
         self, session_id: str, prompt_ids: Sequence[int], sampling: common_pb2.SamplingParams, max_tokens: int
     ) -> DraftSession:
         """Starts the draft's prefill without waiting for it (the target prefills meanwhile)."""
+        with self._lock:
+            pairing_id = self._pairing_id
         request = draft_pb2.OpenSessionRequest(
-            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens
-        )
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+            pairing_id=pairing_id,
+        )  # fmt: skip
         return DraftSession(self, session_id, self._stub.OpenSession.future(request, timeout=self.deadlines.open_s))
 
     def round_deadline_s(self, num_tokens: int) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -11,12 +11,16 @@ import torch
 from specdec import defaults
 from specdec.engine import Engine
 from specdec.errors import ServiceError
+from specdec.facts import peer_facts
+from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
+from specdec.host import HostProbe
+from specdec.pairing import PairingPolicy, base_record
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.serving import Service, setup_logging
-from specdec.v1 import verify_pb2, verify_pb2_grpc
+from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.decoder import Decoder
-from verify_service.draft_client import DraftClient, DraftDeadlines
+from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from verify_service.verifier import Verifier
 
 
@@ -29,6 +33,14 @@ class VerifyConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
+    max_sessions: int = option(16, "most requests decoded at once (more get RESOURCE_EXHAUSTED); sizes the KV budget")
+    require_nvlink: bool = option(False, "refuse a draft on another GPU reached over PCIe only (default: warn)")
+    allow_different_tokenizer: bool = option(
+        False, "pair with a draft whose tokenizer differs from the target's (same-origin override; shown in Info)"
+    )
+    allow_memory_pressure: bool = option(
+        False, "attach the draft even when the target holds over 70% of its device's memory (override; shown in Info)"
+    )
     draft_deadline_factor: float = option(5.0, "a round's draft deadline, in multiples of the expected proposal time")
     draft_deadline_min_ms: float = option(50.0, "the shortest draft deadline of a round, in milliseconds")
     draft_open_timeout_ms: float = option(5000.0, "deadline of the draft's prefill and first proposal, in ms")
@@ -38,17 +50,20 @@ class VerifyConfig:
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServicer):
-    def __init__(self, decoder: Decoder, verifier: Verifier, config: VerifyConfig) -> None:
+    def __init__(
+        self, decoder: Decoder, verifier: Verifier, config: VerifyConfig, pairing: Callable[[], pairing_pb2.Pairing]
+    ) -> None:
         self._decoder = decoder
         self._verifier = verifier
         self._config = config
+        self._pairing = pairing
 
     def Decode(self, request: verify_pb2.DecodeRequest, context: grpc.ServicerContext):
         try:
             plan = self._decoder.plan(request)
+            yield from self._decoder.decode(plan)
         except ServiceError as err:
             context.abort(err.code, str(err))
-        yield from self._decoder.decode(plan)
 
     def GetInfo(self, request: verify_pb2.VerifyInfoRequest, context: grpc.ServicerContext):
         model = self._verifier.model
@@ -69,6 +84,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
             draft_tokens_proposed=totals.proposed,
             draft_tokens_accepted=totals.accepted,
             runtime=model.backend,
+            pairing=self._pairing(),
+            max_sessions=self._decoder.max_sessions,
+            recent=self._decoder.recent(request.recent_requests),
         )
 
 
@@ -76,10 +94,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(
         VerifyConfig, argv, "python -m verify_service", "specdec verify service: target model and round loop", "SPECDEC_VERIFY"
     )
+    return serve(config, HostProbe())
+
+
+def serve(config: VerifyConfig, probe: HostProbe) -> int:
+    """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
     log = setup_logging("verify")
     if config.threads:
         torch.set_num_threads(config.threads)
     model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
+    tokenizer = load_fingerprint(config.model)
+
+    def own_facts() -> pairing_pb2.PeerFacts:
+        return peer_facts(model, config.model, tokenizer, probe, config.max_sessions)
+
     verifier = Verifier(model)
     engine = Engine(verifier.execute, "verify-engine")
     draft = None
@@ -89,10 +117,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             floor_s=config.draft_deadline_min_ms / 1e3,
             open_s=config.draft_open_timeout_ms / 1e3,
         )
-        draft = DraftClient(config.draft, deadlines, model.vocab_size)
-    decoder = Decoder(engine, model, draft, config.max_new_tokens_limit)
+        policy = PairingPolicy(config.require_nvlink, config.allow_different_tokenizer, config.allow_memory_pressure)
+        draft = DraftClient(config.draft, deadlines, own_facts, policy, log)
+        try:
+            draft.attach()  # pair before serving; a draft that is not up yet is asked again later
+        except DraftLost:
+            pass  # attach() logged why; requests run target-only and say so
+
+    def pairing() -> pairing_pb2.Pairing:
+        if draft is not None:
+            try:
+                draft.attach(now=True)  # Info tells the present: a draft that came up since pairs now
+            except DraftLost:
+                pass  # the record says why
+            return draft.pairing
+        record = base_record(pairing_pb2.TRANSPORT_UNSPECIFIED, own_facts())
+        record.state = pairing_pb2.PAIRING_STATE_NOT_CONFIGURED
+        record.detail = "no draft service is configured (--draft is empty)"
+        return record
+
+    decoder = Decoder(engine, model, draft, config.max_new_tokens_limit, config.max_sessions)
     service = Service("verify", config.listen, config.workers, config.grace_s)
-    servicer = VerifyServicer(decoder, verifier, config)
+    servicer = VerifyServicer(decoder, verifier, config, pairing)
     service.add(
         verify_pb2.DESCRIPTOR.services_by_name["Verify"].full_name,
         lambda server: verify_pb2_grpc.add_VerifyServicer_to_server(servicer, server),

@@ -17,6 +17,7 @@ class TargetOnlyReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TARGET_ONLY_REASON_OFF_BY_REQUEST: _ClassVar[TargetOnlyReason]
     TARGET_ONLY_REASON_DRAFT_UNAVAILABLE: _ClassVar[TargetOnlyReason]
     TARGET_ONLY_REASON_DRAFT_TIMED_OUT: _ClassVar[TargetOnlyReason]
+    TARGET_ONLY_REASON_DRAFT_REFUSED: _ClassVar[TargetOnlyReason]
 
 class ClosingToken(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ TARGET_ONLY_REASON_UNSPECIFIED: TargetOnlyReason
 TARGET_ONLY_REASON_OFF_BY_REQUEST: TargetOnlyReason
 TARGET_ONLY_REASON_DRAFT_UNAVAILABLE: TargetOnlyReason
 TARGET_ONLY_REASON_DRAFT_TIMED_OUT: TargetOnlyReason
+TARGET_ONLY_REASON_DRAFT_REFUSED: TargetOnlyReason
 CLOSING_TOKEN_UNSPECIFIED: ClosingToken
 CLOSING_TOKEN_CORRECTION: ClosingToken
 CLOSING_TOKEN_BONUS: ClosingToken

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from specdec.v1 import draft_pb2 as specdec_dot_v1_dot_draft__pb2
+from specdec.v1 import pairing_pb2 as specdec_dot_v1_dot_pairing__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -35,6 +36,11 @@ class DraftStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Pair = channel.unary_unary(
+                '/specdec.v1.Draft/Pair',
+                request_serializer=specdec_dot_v1_dot_pairing__pb2.PairRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_pairing__pb2.PairResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/specdec.v1.Draft/OpenSession',
                 request_serializer=specdec_dot_v1_dot_draft__pb2.OpenSessionRequest.SerializeToString,
@@ -60,6 +66,17 @@ class DraftStub:
 class DraftServicer:
     """Proposes draft tokens with the small model, one session per request.
     """
+
+    def Pair(self, request, context):
+        """The pairing handshake: exchanges host, device, model, tokenizer and memory facts.
+        FAILED_PRECONDITION when the caller is on another machine or, without the
+        override, its tokenizer differs; the refusal's trailing metadata carries the draft's
+        PeerFacts under "specdec-draft-facts-bin", so the caller can say what differs.
+        Sessions need the pairing id it returns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
         """Starts a session: stores the prompt and prefills the draft's cache with it.
@@ -92,6 +109,11 @@ class DraftServicer:
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Pair': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pair,
+                    request_deserializer=specdec_dot_v1_dot_pairing__pb2.PairRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_pairing__pb2.PairResponse.SerializeToString,
+            ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.OpenSessionRequest.FromString,
@@ -123,6 +145,33 @@ def add_DraftServicer_to_server(servicer, server):
 class Draft:
     """Proposes draft tokens with the small model, one session per request.
     """
+
+    @staticmethod
+    def Pair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Draft/Pair',
+            specdec_dot_v1_dot_pairing__pb2.PairRequest.SerializeToString,
+            specdec_dot_v1_dot_pairing__pb2.PairResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def OpenSession(request,

@@ -1,4 +1,5 @@
 from specdec.v1 import common_pb2 as _common_pb2
+from specdec.v1 import verify_pb2 as _verify_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -58,3 +59,19 @@ class GenerateResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[_common_pb2.RoundStats, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class GatewayInfoRequest(_message.Message):
+    __slots__ = ("recent_requests",)
+    RECENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    recent_requests: int
+    def __init__(self, recent_requests: _Optional[int] = ...) -> None: ...
+
+class GatewayInfo(_message.Message):
+    __slots__ = ("verify_address", "tokenizer", "verify")
+    VERIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    verify_address: str
+    tokenizer: str
+    verify: _verify_pb2.VerifyInfo
+    def __init__(self, verify_address: _Optional[str] = ..., tokenizer: _Optional[str] = ..., verify: _Optional[_Union[_verify_pb2.VerifyInfo, _Mapping]] = ...) -> None: ...

@@ -40,6 +40,11 @@ class GenerationStub:
                 request_serializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/specdec.v1.Generation/GetInfo',
+                request_serializer=specdec_dot_v1_dot_generation__pb2.GatewayInfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GatewayInfo.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -53,6 +58,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """Describes the gateway and the verify service behind it (for `specdec doctor`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.GatewayInfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GatewayInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class Generation:
             '/specdec.v1.Generation/Generate',
             specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Generation/GetInfo',
+            specdec_dot_v1_dot_generation__pb2.GatewayInfoRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GatewayInfo.FromString,
             options,
             channel_credentials,
             insecure,

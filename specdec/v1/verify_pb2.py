@@ -23,23 +23,26 @@ _sym_db = _symbol_database.Default()
 
 
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
+from specdec.v1 import pairing_pb2 as specdec_dot_v1_dot_pairing__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/verify.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x05 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\"\xc8\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12%\n\x05round\x18\x02 \x01(\x0b\x32\x16.specdec.v1.RoundStats\x12,\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x17.specdec.v1.Speculation\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\"\x13\n\x11VerifyInfoRequest\"\xd4\x02\n\nVerifyInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\x04\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_positions\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rdraft_address\x18\x06 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x10\n\x08requests\x18\t \x01(\x04\x12\x0e\n\x06rounds\x18\n \x01(\x04\x12\x17\n\x0ftarget_forwards\x18\x0b \x01(\x04\x12\x10\n\x08prefills\x18\x0c \x01(\x04\x12\x1d\n\x15\x64raft_tokens_proposed\x18\r \x01(\x04\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x0e \x01(\x04\x12\x0f\n\x07runtime\x18\x0f \x01(\t2\x8a\x01\n\x06Verify\x12>\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x17.specdec.v1.DecodeChunk0\x01\x12@\n\x07GetInfo\x12\x1d.specdec.v1.VerifyInfoRequest\x1a\x16.specdec.v1.VerifyInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/verify.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x18specdec/v1/pairing.proto\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x05 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\"\xc8\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12%\n\x05round\x18\x02 \x01(\x0b\x32\x16.specdec.v1.RoundStats\x12,\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x17.specdec.v1.Speculation\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\",\n\x11VerifyInfoRequest\x12\x17\n\x0frecent_requests\x18\x01 \x01(\r\"\xc6\x01\n\x0eRecentRequests\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x10\n\x08requests\x18\x02 \x01(\r\x12\x1e\n\x16mean_completion_tokens\x18\x03 \x01(\x01\x12\x1b\n\x13speculated_requests\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x05 \x01(\x04\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x06 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\"\xbc\x03\n\nVerifyInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\x04\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_positions\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rdraft_address\x18\x06 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x10\n\x08requests\x18\t \x01(\x04\x12\x0e\n\x06rounds\x18\n \x01(\x04\x12\x17\n\x0ftarget_forwards\x18\x0b \x01(\x04\x12\x10\n\x08prefills\x18\x0c \x01(\x04\x12\x1d\n\x15\x64raft_tokens_proposed\x18\r \x01(\x04\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x0e \x01(\x04\x12\x0f\n\x07runtime\x18\x0f \x01(\t\x12$\n\x07pairing\x18\x10 \x01(\x0b\x32\x13.specdec.v1.Pairing\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\r\x12*\n\x06recent\x18\x12 \x01(\x0b\x32\x1a.specdec.v1.RecentRequests2\x8a\x01\n\x06Verify\x12>\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x17.specdec.v1.DecodeChunk0\x01\x12@\n\x07GetInfo\x12\x1d.specdec.v1.VerifyInfoRequest\x1a\x16.specdec.v1.VerifyInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verify_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEREQUEST']._serialized_start=65
-  _globals['_DECODEREQUEST']._serialized_end=266
-  _globals['_DECODECHUNK']._serialized_start=269
-  _globals['_DECODECHUNK']._serialized_end=469
-  _globals['_VERIFYINFOREQUEST']._serialized_start=471
-  _globals['_VERIFYINFOREQUEST']._serialized_end=490
-  _globals['_VERIFYINFO']._serialized_start=493
-  _globals['_VERIFYINFO']._serialized_end=833
-  _globals['_VERIFY']._serialized_start=836
-  _globals['_VERIFY']._serialized_end=974
+  _globals['_DECODEREQUEST']._serialized_start=91
+  _globals['_DECODEREQUEST']._serialized_end=292
+  _globals['_DECODECHUNK']._serialized_start=295
+  _globals['_DECODECHUNK']._serialized_end=495
+  _globals['_VERIFYINFOREQUEST']._serialized_start=497
+  _globals['_VERIFYINFOREQUEST']._serialized_end=541
+  _globals['_RECENTREQUESTS']._serialized_start=544
+  _globals['_RECENTREQUESTS']._serialized_end=742
+  _globals['_VERIFYINFO']._serialized_start=745
+  _globals['_VERIFYINFO']._serialized_end=1189
+  _globals['_VERIFY']._serialized_start=1192
+  _globals['_VERIFY']._serialized_end=1330
 # @@protoc_insertion_point(module_scope)

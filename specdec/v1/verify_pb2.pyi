@@ -1,4 +1,5 @@
 from specdec.v1 import common_pb2 as _common_pb2
+from specdec.v1 import pairing_pb2 as _pairing_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -38,11 +39,31 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[_common_pb2.RoundStats, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class VerifyInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("recent_requests",)
+    RECENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    recent_requests: int
+    def __init__(self, recent_requests: _Optional[int] = ...) -> None: ...
+
+class RecentRequests(_message.Message):
+    __slots__ = ("window", "requests", "mean_completion_tokens", "speculated_requests", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    requests: int
+    mean_completion_tokens: float
+    speculated_requests: int
+    draft_tokens_proposed: int
+    draft_tokens_accepted: int
+    acceptance_rate: float
+    def __init__(self, window: _Optional[int] = ..., requests: _Optional[int] = ..., mean_completion_tokens: _Optional[float] = ..., speculated_requests: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class VerifyInfo(_message.Message):
-    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime")
+    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime", "pairing", "max_sessions", "recent")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +79,9 @@ class VerifyInfo(_message.Message):
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    PAIRING_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     parameters: int
     vocab_size: int
@@ -73,4 +97,7 @@ class VerifyInfo(_message.Message):
     draft_tokens_proposed: int
     draft_tokens_accepted: int
     runtime: str
-    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., draft_address: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., active_sessions: _Optional[int] = ..., requests: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., prefills: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
+    pairing: _pairing_pb2.Pairing
+    max_sessions: int
+    recent: RecentRequests
+    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., draft_address: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., active_sessions: _Optional[int] = ..., requests: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., prefills: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., runtime: _Optional[str] = ..., pairing: _Optional[_Union[_pairing_pb2.Pairing, _Mapping]] = ..., max_sessions: _Optional[int] = ..., recent: _Optional[_Union[RecentRequests, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,142 @@
+"""`specdec doctor`: the deployment guide's five-point checklist against live services.
+
+Each check has a verdict (pass, warn, fail) and the figure behind it:
+1. output length: mean completion tokens of recent requests (pass above 256, else warn);
+2. memory: the target's share of its device's memory (pass at 70% or less, else fail);
+3. same origin: the draft's tokenizer equals the target's (pass or fail);
+4. placement: same card or same host (pass; warn for PCIe only; fail across machines);
+5. acceptance: accepted / proposed over recent requests (pass at 0.4 or above, else fail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from specdec.pairing import MEMORY_SHARE_LIMIT
+from specdec.serving import channel_options
+from specdec.v1 import generation_pb2, generation_pb2_grpc, pairing_pb2, verify_pb2, verify_pb2_grpc
+
+LONG_OUTPUT_TOKENS = 256
+ACCEPTANCE_FLOOR = 0.4
+PASS, WARN, FAIL = "pass", "warn", "fail"
+LINK_NAMES = {
+    pairing_pb2.GPU_LINK_NONE_CPU: "CPU, no GPU link",
+    pairing_pb2.GPU_LINK_SAME_DEVICE: "same GPU",
+    pairing_pb2.GPU_LINK_MIG_SLICE: "MIG slices of one GPU",
+    pairing_pb2.GPU_LINK_NVLINK: "NVLink peers",
+    pairing_pb2.GPU_LINK_PCIE: "PCIe only",
+    pairing_pb2.GPU_LINK_UNKNOWN: "GPU link unknown",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: str  # pass, warn or fail
+    figure: str  # the measured figure behind the verdict
+    detail: str  # what it means, in a sentence
+
+
+def fetch_info(verify: str | None, gateway: str | None, recent: int, timeout_s: float) -> verify_pb2.VerifyInfo:
+    """The verify service's Info, asked directly or through the gateway."""
+    if verify:
+        with grpc.insecure_channel(verify, options=channel_options()) as channel:
+            stub = verify_pb2_grpc.VerifyStub(channel)
+            return stub.GetInfo(verify_pb2.VerifyInfoRequest(recent_requests=recent), timeout=timeout_s)
+    with grpc.insecure_channel(gateway, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return stub.GetInfo(generation_pb2.GatewayInfoRequest(recent_requests=recent), timeout=timeout_s).verify
+
+
+def checks(info: verify_pb2.VerifyInfo) -> list[Check]:
+    recent, pairing = info.recent, info.pairing
+    return [output_length(recent), memory(pairing), same_origin(pairing), placement(pairing), acceptance(recent)]
+
+
+def output_length(recent: verify_pb2.RecentRequests) -> Check:
+    if recent.requests == 0:
+        return Check("output length", WARN, "no finished requests yet", "nothing to average; ask again after traffic")
+    mean = recent.mean_completion_tokens
+    figure = f"{mean:.0f} tokens on average over the last {recent.requests} requests"
+    if mean > LONG_OUTPUT_TOKENS:
+        return Check("output length", PASS, figure, f"above {LONG_OUTPUT_TOKENS}: long outputs, where speculation pays")
+    return Check(
+        "output length", WARN, figure,
+        f"at most {LONG_OUTPUT_TOKENS}: short outputs gain little from speculation (about 1.05-1.2x at 32 tokens)",
+    )  # fmt: skip
+
+
+def memory(pairing: pairing_pb2.Pairing) -> Check:
+    share, m = pairing.target_memory_share, pairing.target_memory
+    figure = (
+        f"{share:.1%} of {m.total_bytes / 2**30:.1f} GiB {m.kind} memory "
+        f"(weights {m.weights_bytes / 2**20:.0f} MiB, in use {m.used_bytes / 2**20:.0f} MiB, "
+        f"KV budget {m.kv_budget_bytes / 2**20:.0f} MiB)"
+    )
+    if share <= MEMORY_SHARE_LIMIT:
+        return Check("target memory", PASS, figure, f"at most {MEMORY_SHARE_LIMIT:.0%}: room for the draft")
+    return Check("target memory", FAIL, figure, f"above {MEMORY_SHARE_LIMIT:.0%}: a draft pushes the target into swapping")
+
+
+def _no_draft(pairing: pairing_pb2.Pairing) -> str | None:
+    if pairing.state == pairing_pb2.PAIRING_STATE_NOT_CONFIGURED:
+        return "no draft service is configured"
+    if pairing.state in (pairing_pb2.PAIRING_STATE_UNREACHABLE, pairing_pb2.PAIRING_STATE_UNSPECIFIED):
+        return f"the draft service did not answer the handshake: {pairing.detail or 'not attempted'}"
+    return None
+
+
+def same_origin(pairing: pairing_pb2.Pairing) -> Check:
+    missing = _no_draft(pairing)
+    if missing or not pairing.draft.tokenizer.present and not pairing.tokenizer_difference:
+        return Check("same-origin draft", FAIL, missing or "draft refused before stating its tokenizer", pairing.detail)
+    if pairing.tokenizer_match:
+        return Check("same-origin draft", PASS, "tokenizer fingerprints equal", "the draft shares the target's tokenizer")
+    overridden = " (overridden by the operator)" if "same-origin" in pairing.overrides else ""
+    return Check("same-origin draft", FAIL, pairing.tokenizer_difference + overridden, "acceptance collapses with a foreign draft")
+
+
+def placement(pairing: pairing_pb2.Pairing) -> Check:
+    missing = _no_draft(pairing)
+    if missing:
+        return Check("same card or host", FAIL, missing, "no paired draft to place")
+    if not pairing.same_host:
+        return Check("same card or host", FAIL, f"{pairing.verifier_host} vs {pairing.draft_host}", pairing.detail)
+    link = LINK_NAMES.get(pairing.link, "not classified")
+    figure = f"{link}; {pairing.link_detail}" if pairing.link_detail else link
+    if pairing.link == pairing_pb2.GPU_LINK_PCIE:
+        return Check("same card or host", WARN, figure, "same host, but every round crosses PCIe")
+    if pairing.link == pairing_pb2.GPU_LINK_UNKNOWN:
+        return Check("same card or host", WARN, figure, "same host; the GPU link could not be classified")
+    return Check("same card or host", PASS, figure, "draft and target share the host")
+
+
+def acceptance(recent: verify_pb2.RecentRequests) -> Check:
+    if recent.draft_tokens_proposed == 0:
+        return Check("acceptance rate", WARN, "no draft tokens proposed in the window", "nothing to measure yet")
+    rate = recent.acceptance_rate
+    figure = (
+        f"{rate:.3f} ({recent.draft_tokens_accepted}/{recent.draft_tokens_proposed} draft tokens, "
+        f"{recent.speculated_requests} speculated requests)"
+    )
+    if rate >= ACCEPTANCE_FLOOR:
+        return Check("acceptance rate", PASS, figure, f"at least {ACCEPTANCE_FLOOR}")
+    return Check("acceptance rate", FAIL, figure, f"below {ACCEPTANCE_FLOOR}: a draft problem (not same-origin?)")
+
+
+def report_json(found: list[Check], info: verify_pb2.VerifyInfo) -> dict:
+    return {
+        "ok": all(c.verdict != FAIL for c in found),
+        "window": info.recent.window,
+        "checks": [asdict(c) for c in found],
+    }
+
+
+def report_text(found: list[Check]) -> str:
+    width = max(len(c.name) for c in found)
+    lines = [f"[{c.verdict.upper():4}] {c.name:<{width}}  {c.figure}\n       {'':<{width}}  {c.detail}" for c in found]
+    failed = sum(c.verdict == FAIL for c in found)
+    lines.append(f"{failed} check(s) failed" if failed else "no check failed")
+    return "\n".join(lines)

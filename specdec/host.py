@@ -1,0 +1,73 @@
+"""What a service reads about the machine it runs on: host identity, memory, GPU identity.
+
+Everything here comes from the kernel and the drivers. No flag or environment variable
+can set it: a process that could claim another host's identity would defeat the
+topology guard. Tests substitute a HostProbe subclass in the process they start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from specdec.v1 import pairing_pb2
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+MEMINFO = Path("/proc/meminfo")
+CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
+)
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def machine_memory_bytes() -> int:
+    """The lower of the machine's memory and this process's cgroup limit."""
+    total = UNLIMITED
+    for line in (_read(MEMINFO) or "").splitlines():
+        if line.startswith("MemTotal:"):
+            total = int(line.split()[1]) * 1024
+    for path in CGROUP_LIMITS:
+        text = _read(path)
+        if text and text.isdigit() and int(text) < UNLIMITED:
+            total = min(total, int(text))
+    return total
+
+
+def resident_bytes() -> int:
+    """Resident set size of this process."""
+    statm = _read(Path("/proc/self/statm"))
+    return int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE") if statm else 0
+
+
+class HostProbe:
+    """Reads host facts. Subclassed only by tests, to play another machine."""
+
+    def identity(self) -> pairing_pb2.HostIdentity:
+        return pairing_pb2.HostIdentity(boot_id=_read(BOOT_ID) or "", hostname=socket.gethostname(), pid=os.getpid())
+
+    def device(self, device: torch.device) -> pairing_pb2.DeviceFacts:
+        facts = pairing_pb2.DeviceFacts(device=str(device))
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            uuid = str(props.uuid)
+            facts.gpu_uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            facts.gpu_name = props.name
+        return facts
+
+    def memory(self, device: torch.device) -> tuple[str, int, int]:
+        """(kind, capacity in bytes, bytes in use by this process) of the model's device."""
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            return "cuda", total, torch.cuda.memory_allocated(device)
+        return "host", machine_memory_bytes(), resident_bytes()
