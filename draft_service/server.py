@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from draft_service.drafter import Close, Drafter, Open, Propose
 from specdec import defaults
@@ -25,9 +26,13 @@ from specdec.host import HostProbe
 from specdec.pairing import REFUSAL_FACTS_KEY, check_verifier, describe_host, transport_of_peer
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams
+from specdec import span_attributes as attrs
+from specdec.metrics import SpeculationMetrics, observe_peak_memory, observe_sessions, proposal_duration
 from specdec.serving import Service, setup_logging
+from specdec.telemetry import Telemetry, incoming, set_error
 from specdec.v1 import draft_pb2, draft_pb2_grpc, pairing_pb2
 
+SERVER = trace.SpanKind.SERVER
 MAX_PAIRINGS = 64  # pairing ids remembered (one per verify-service connection)
 
 
@@ -42,6 +47,7 @@ class DraftConfig:
     threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
     workers: int = option(32, "gRPC handler threads")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish after SIGTERM")
+    metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
@@ -54,8 +60,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         tokenizer: pairing_pb2.TokenizerFingerprint,
         probe: HostProbe,
         log: logging.Logger,
+        telemetry: Telemetry,
     ) -> None:
         self._drafter = drafter
+        self._tracer = telemetry.tracer
+        self._metrics = SpeculationMetrics(telemetry.meter)
+        self._proposal_duration = proposal_duration(telemetry.meter)
         self._engine = engine
         self._model_name = model_name
         self._step_time_s = step_time_s
@@ -94,14 +104,18 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
         step = Open(request.session_id, list(request.prompt_ids), params, seed, request.max_tokens)
-        seconds = self._run(step, context)
-        return draft_pb2.OpenSessionResponse(prefill_time_us=int(seconds * 1e6))
+        attributes = {"gen_ai.usage.input_tokens": len(request.prompt_ids)}
+        prefill_seconds, _ = self._traced(attrs.DRAFT_PREFILL, step, context, attributes)
+        return draft_pb2.OpenSessionResponse(prefill_time_us=int(prefill_seconds * 1e6))
 
     def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext):
-        start = time.perf_counter()
         step = Propose(request.session_id, request.accepted, list(request.appended_ids), request.num_tokens)
-        tokens = self._run(step, context)
-        return draft_pb2.ProposeResponse(tokens=tokens, compute_time_us=int((time.perf_counter() - start) * 1e6))
+        attributes = {"specdec.draft.num_tokens": request.num_tokens, "specdec.draft.previous_accepted": request.accepted}
+        tokens, seconds = self._traced(attrs.DRAFT_PROPOSE, step, context, attributes)
+        # The verifier reports acceptance one proposal late: `accepted` is the previous one's.
+        self._metrics.speculated(request.num_tokens, request.accepted)
+        self._proposal_duration.record(seconds)
+        return draft_pb2.ProposeResponse(tokens=tokens, compute_time_us=int(seconds * 1e6))
 
     def CloseSession(self, request: draft_pb2.CloseSessionRequest, context: grpc.ServicerContext):
         return draft_pb2.CloseSessionResponse(existed=self._run(Close(request.session_id), context))
@@ -128,6 +142,25 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         except ServiceError as err:
             context.abort(err.code, str(err))
 
+    def _traced(
+        self, name: str, step: object, context: grpc.ServicerContext, attributes: dict[str, int]
+    ) -> tuple[object, float]:
+        """Runs a step under a span that is a child of the caller's; returns its result and
+        wall time (queueing on the engine included: it is part of the caller's wait)."""
+        start = time.perf_counter()
+        error: ServiceError | None = None
+        with self._tracer.start_span(name, context=incoming(context), kind=SERVER, attributes=attributes) as span:
+            try:
+                result = self._engine.run(step)
+            except ServiceError as err:
+                set_error(span, err.code, str(err))
+                error = err
+            seconds = time.perf_counter() - start
+            span.set_attribute("specdec.compute_us", int(seconds * 1e6))
+        if error is not None:
+            context.abort(error.code, str(error))
+        return result, seconds
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(
@@ -139,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(config: DraftConfig, probe: HostProbe) -> int:
     """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
     log = setup_logging("draft")
+    telemetry = Telemetry("specdec-draft", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
     model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
@@ -146,7 +180,10 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     drafter = Drafter(model, config.support_size)
     engine = Engine(drafter.execute, "draft-engine")
     service = Service("draft", config.listen, config.workers, config.grace_s)
-    servicer = DraftServicer(drafter, engine, config.model, step_time_s, load_fingerprint(config.model), probe, log)
+    observe_sessions(telemetry.meter, lambda: len(drafter.sessions), "draft sessions open")
+    observe_peak_memory(telemetry.meter, model.device)
+    fingerprint = load_fingerprint(config.model)
+    servicer = DraftServicer(drafter, engine, config.model, step_time_s, fingerprint, probe, log, telemetry)
     service.add(
         draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name,
         lambda server: draft_pb2_grpc.add_DraftServicer_to_server(servicer, server),
@@ -164,4 +201,5 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     log.info("shutting down")
     service.stop()
     engine.stop()
+    telemetry.shutdown(config.grace_s)
     return 0

@@ -6,10 +6,14 @@ round into a GenerateResponse: UTF-8-safe text deltas, stop sequences, usage.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
+from opentelemetry import trace
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.detokenizer import IncrementalDetokenizer
@@ -17,9 +21,14 @@ from gateway.stops import StopMatcher
 from specdec import defaults, requests
 from specdec.errors import InvalidArgument, ServiceError, Unavailable
 from specdec.flags import option, parse_config
+from specdec import span_attributes as attrs
+from specdec.metrics import SpeculationMetrics, observe_sessions
 from specdec.serving import Service, channel_options, remaining_timeout, setup_logging
+from specdec.telemetry import Telemetry, incoming, inject, set_error, trace_id_hex
 from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, generation_pb2, generation_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+TRACE_ID_KEY = "specdec-trace-id"  # trailing metadata of a failed Generate
 
 
 @dataclass(frozen=True)
@@ -32,27 +41,79 @@ class GatewayConfig:
     max_stop_length: int = option(256, "longest stop sequence, in characters")
     workers: int = option(64, "gRPC handler threads (one per streaming request)")
     grace_s: float = option(5.0, "seconds in-flight streams get to finish after SIGTERM")
+    metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, verify: verify_pb2_grpc.VerifyStub, config: GatewayConfig):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        verify: verify_pb2_grpc.VerifyStub,
+        config: GatewayConfig,
+        telemetry: Telemetry,
+    ) -> None:
         self._tokenizer = tokenizer
         self._verify = verify
         self._config = config
+        self._tracer = telemetry.tracer
+        self._metrics = SpeculationMetrics(telemetry.meter)
+        self._lock = threading.Lock()
+        self.streams = 0  # Generate calls in progress
+        observe_sessions(telemetry.meter, lambda: self.streams, "Generate streams in progress")
 
     def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext):
+        """Streams one completion under the request's root span (a child of the client's
+        trace context, when it sent one); the first message names the trace."""
+        span = self._tracer.start_span(attrs.GENERATE, context=incoming(context), kind=trace.SpanKind.SERVER)
+        trace_id = trace_id_hex(span)
+        with self._lock:
+            self.streams += 1
+        try:
+            yield from self._generate(request, context, span, trace_id)
+        except GeneratorExit:  # the client went away mid-stream
+            set_error(span, grpc.StatusCode.CANCELLED, "the client cancelled the stream")
+            raise
+        finally:
+            with self._lock:
+                self.streams -= 1
+            span.end()
+
+    def _generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext, span: trace.Span, trace_id: str
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        def abort(code: grpc.StatusCode, message: str) -> NoReturn:
+            set_error(span, code, message)
+            context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
+            context.abort(code, message)
+
         try:
             decode_request = self._decode_request(request)
         except ServiceError as err:
-            context.abort(err.code, str(err))
-        call = self._verify.Decode(decode_request, timeout=remaining_timeout(context))
+            abort(err.code, str(err))
+        s = decode_request.sampling
+        span.set_attributes(
+            attrs.request(self._config.tokenizer, decode_request.max_new_tokens, s.temperature, s.top_k, s.top_p)
+        )
+        metadata = inject(trace.set_span_in_context(span))
+        call = self._verify.Decode(decode_request, timeout=remaining_timeout(context), metadata=metadata)
         context.add_callback(call.cancel)  # a client that leaves frees the verify session
+        started = time.perf_counter()
         try:
-            yield from self._stream(call, request.stop, len(decode_request.prompt_ids))
+            for i, response in enumerate(self._stream(call, request.stop, len(decode_request.prompt_ids))):
+                if i == 0:
+                    response.trace_id = trace_id
+                    span.set_attributes(attrs.speculation(response.speculation))
+                self._metrics.speculated(response.round.draft_tokens, response.round.accepted_tokens)
+                self._metrics.generated.add(len(response.token_ids))
+                if response.finish_reason:
+                    span.set_attributes(attrs.usage(response.usage, response.finish_reason))
+                    elapsed = time.perf_counter() - started
+                    self._metrics.tokens_per_second.record(response.usage.completion_tokens / elapsed)
+                yield response
         except grpc.RpcError as err:
-            context.abort(err.code(), err.details())
+            abort(err.code(), err.details())
         except ServiceError as err:
-            context.abort(err.code, str(err))
+            abort(err.code, str(err))
         finally:
             call.cancel()  # after a stop sequence this frees the verify session; else a no-op
 
@@ -135,9 +196,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(GatewayConfig, argv, "python -m gateway", "specdec gateway: the public Generation API", "SPECDEC_GATEWAY")
     log = setup_logging("gateway")
+    telemetry = Telemetry("specdec-gateway", config.metrics_listen, log)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     channel = grpc.insecure_channel(config.verify, options=channel_options())
-    servicer = GenerationServicer(tokenizer, verify_pb2_grpc.VerifyStub(channel), config)
+    servicer = GenerationServicer(tokenizer, verify_pb2_grpc.VerifyStub(channel), config, telemetry)
     service = Service("gateway", config.listen, config.workers, config.grace_s)
     service.add(
         generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -149,4 +211,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("shutting down")
     service.stop()
     channel.close()
+    telemetry.shutdown(config.grace_s)
     return 0

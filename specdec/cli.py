@@ -109,6 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "usage": json_format.MessageToDict(completion.usage, preserving_proto_field_name=True),
             "acceptance_rate": completion.usage.acceptance_rate,
             "tokens_per_second": completion.tokens_per_s,
+            "trace_id": completion.trace_id,
         }
         print(json.dumps(summary), flush=True)
     else:

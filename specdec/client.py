@@ -26,6 +26,7 @@ class Completion:
     messages: list[generation_pb2.GenerateResponse] = field(default_factory=list)
     finish_reason: str = ""
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+    trace_id: str = ""  # the request's trace, from the first message
     first_token_s: float = 0.0  # from sending the request to the first token
     elapsed_s: float = 0.0  # from sending the request to the last message
 
@@ -53,6 +54,8 @@ def generate(
         now = time.perf_counter() - start
         if message.token_ids and not completion.token_ids:
             completion.first_token_s = now
+        if not completion.messages:
+            completion.trace_id = message.trace_id
         completion.messages.append(message)
         completion.text += message.text
         completion.token_ids.extend(message.token_ids)

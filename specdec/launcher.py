@@ -28,6 +28,7 @@ class StackConfig:
     draft_tcp: str = ""  # host:port to reach the draft over TCP instead of a unix socket
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     programs: dict[str, list[str]] = field(default_factory=dict)  # per service: run this instead of python -m
+    env: dict[str, str] = field(default_factory=dict)  # set in every service's environment
 
     @property
     def draft_address(self) -> str:
@@ -73,7 +74,7 @@ class Stack:
         """Starts every service and waits until all report SERVING. The draft comes first:
         the verify service pairs with it as it starts, so the first request speculates."""
         self.config.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.config.env, "PYTHONUNBUFFERED": "1"}
         deadline = time.monotonic() + timeout_s
         services = self.services()
         if services[0] == "draft":

@@ -56,6 +56,7 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
         args: dict[str, list[str]] | None = None,
         draft_tcp: str = "",
         programs: dict[str, list[str]] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Stack:
         # unix socket paths must stay under ~100 characters
         workdir = Path(tmp_path_factory.mktemp("stack", numbered=True))
@@ -68,6 +69,7 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
             extra_args=args or {},
             draft_tcp=draft_tcp,
             programs=programs or {},
+            env=env or {},
         )
         stack = Stack(config)
         stacks.append(stack)

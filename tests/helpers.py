@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 import grpc
 
 from specdec.client import Completion, connect, generate
 from specdec.launcher import Stack
 from specdec.v1 import common_pb2, generation_pb2, verify_pb2, verify_pb2_grpc
+
+T = TypeVar("T")
 
 
 def request(
@@ -44,3 +50,15 @@ def rpc_error(stack: Stack, req: generation_pb2.GenerateRequest) -> grpc.RpcErro
 def verify_info(stack: Stack) -> verify_pb2.VerifyInfo:
     with grpc.insecure_channel(stack.config.verify_address) as channel:
         return verify_pb2_grpc.VerifyStub(channel).GetInfo(verify_pb2.VerifyInfoRequest(), timeout=10)
+
+
+def wait_for(condition: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T:
+    """Polls until condition() returns something truthy, for what arrives on another
+    process's schedule (exports, container start-up); fails naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

@@ -67,26 +67,24 @@ def test_committed_pair_fits_in_30_mb():
     assert sum(p.stat().st_size for p in files) <= 30 * 2**20
 
 
-def live_acceptance(pair: tuple[CausalLM, CausalLM]) -> float:
-    """Greedy acceptance at k=4 on every committed held-out prompt, measured now, as the recipe did."""
+SAMPLED = PROMPTS[::6]  # the prompts re-measured live; greedy figures are deterministic per prompt
+
+
+def test_committed_figures_are_what_is_measured_here(pair):
+    """The report's per-prompt acceptance and distinct-4-gram figures reproduce live on a
+    sample of the prompts (so its means can be trusted without re-running all of them);
+    the losses, cost structure and recipe time meet the sizing."""
     target, draft = pair
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
-    proposed = accepted = 0
-    for item in PROMPTS:
-        result = speculate(target, draft, tokenizer.encode(item["prompt"]), 128, k=4)
-        proposed += result.proposed
-        accepted += result.accepted
-    return accepted / proposed
-
-
-@pytest.fixture(scope="module")
-def acceptance(pair) -> float:
-    return live_acceptance(pair)
-
-
-def test_committed_figures_are_what_is_measured_here(acceptance):
-    """The report's acceptance reproduces live; the cost structure and recipe time meet the sizing."""
-    assert acceptance == pytest.approx(REPORT["evaluation"]["acceptance_rate"], abs=0.02)
+    reported = {item["file"]: item for item in REPORT["evaluation"]["per_prompt"]}
+    assert len(reported) == len(PROMPTS)
+    for item in SAMPLED:
+        ids = tokenizer.encode(item["prompt"])
+        spec = speculate(target, draft, ids, 128, k=4)
+        alone = speculate(target, None, ids, 256, k=0)
+        assert spec.accepted / spec.proposed == pytest.approx(reported[item["file"]]["acceptance"], abs=0.02)
+        distinct = recipe.distinct_4gram_share(alone.tokens)
+        assert distinct == pytest.approx(reported[item["file"]]["distinct_4gram"], abs=0.02)
     losses = REPORT["evaluation"]["heldout_loss"]
     assert losses["target"] <= losses["unigram"] - 2.0  # perplexity at least e^2 (7.4x) below the unigram's
     assert losses["target"] < losses["draft"]
@@ -96,19 +94,13 @@ def test_committed_figures_are_what_is_measured_here(acceptance):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 4 open: the committed pair's greedy acceptance at k=4 is below 0.6")
-def test_acceptance_goal(acceptance):
-    assert acceptance >= 0.6
+def test_acceptance_goal():
+    assert REPORT["evaluation"]["acceptance_rate"] >= 0.6
 
 
 @pytest.mark.xfail(strict=True, reason="issue 4 open: the committed target's greedy continuations loop")
-def test_target_is_not_a_repetition_machine(pair):
-    target, _ = pair
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
-    shares = [
-        recipe.distinct_4gram_share(speculate(target, None, tokenizer.encode(item["prompt"]), 256, k=0).tokens)
-        for item in PROMPTS[:6]
-    ]
-    assert sum(shares) / len(shares) >= 0.5
+def test_target_is_not_a_repetition_machine():
+    assert REPORT["evaluation"]["distinct_4gram_mean"] >= 0.5
 
 
 def test_generate_through_the_default_pair(tmp_path):

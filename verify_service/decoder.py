@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from specdec import requests
+from specdec import span_attributes as attrs
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.engine import Engine
-from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.errors import InvalidArgument, ResourceExhausted, ServiceError
+from specdec.metrics import SpeculationMetrics
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
+from specdec.telemetry import inject, set_error
 from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, verify_pb2
 from verify_service.draft_client import DraftClient, DraftLost, DraftSession
@@ -76,13 +84,31 @@ class Finished:
     accepted: int
 
 
+@dataclass(frozen=True)
+class Instruments:
+    """Where the decoder reports: its spans and its metrics."""
+
+    tracer: trace.Tracer
+    metrics: SpeculationMetrics
+    model_name: str  # gen_ai.request.model
+
+
 class Decoder:
     def __init__(
-        self, engine: Engine, model: CausalLM, draft: DraftClient | None, max_new_tokens_limit: int, max_sessions: int
+        self,
+        engine: Engine,
+        model: CausalLM,
+        draft: DraftClient | None,
+        max_new_tokens_limit: int,
+        max_sessions: int,
+        instruments: Instruments,
     ) -> None:
         self._engine = engine
         self._model = model
         self._draft = draft
+        self._tracer = instruments.tracer
+        self._metrics = instruments.metrics
+        self._model_name = instruments.model_name
         self._eos = model.eos_token_ids
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_sessions = max_sessions
@@ -127,35 +153,61 @@ class Decoder:
             num_draft_tokens=k,
         )
 
-    def decode(self, plan: Plan) -> Iterator[verify_pb2.DecodeChunk]:
-        """Streams the request's rounds; raises ResourceExhausted before the first one when
-        max_sessions requests are being served."""
-        sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
-        with self._lock:
-            if self.totals.active >= self.max_sessions:
-                raise ResourceExhausted(
-                    f"{self.totals.active} requests are being decoded, the limit (--max-sessions) is {self.max_sessions}"
-                )
-            self.totals.requests += 1
-            self.totals.active += 1
+    def decode(self, request: verify_pb2.DecodeRequest, parent: otel_context.Context) -> Iterator[verify_pb2.DecodeChunk]:
+        """Validates the request and streams its rounds, under a `decode` span that is a
+        child of `parent`. Raises InvalidArgument, or ResourceExhausted (before the first
+        round) when max_sessions requests are being served."""
+        span = self._tracer.start_span(attrs.DECODE, context=parent, kind=trace.SpanKind.SERVER)
+        ctx = trace.set_span_in_context(span)
         draft: DraftSession | None = None
         final = None
+        admitted = False
         try:
-            draft, speculation = self._open_draft(sid, plan)
-            self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed, plan.capacity))
-            for chunk in self._rounds(sid, plan, draft, speculation):
+            plan = self.plan(request)
+            p = plan.params
+            span.set_attributes(attrs.request(self._model_name, plan.max_new_tokens, p.temperature, p.top_k, p.top_p))
+            sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
+            with self._lock:
+                if self.totals.active >= self.max_sessions:
+                    raise ResourceExhausted(
+                        f"{self.totals.active} requests are being decoded, the limit (--max-sessions) is {self.max_sessions}"
+                    )
+                self.totals.requests += 1
+                self.totals.active += 1
+                admitted = True
+            draft, speculation = self._open_draft(sid, plan, ctx)
+            span.set_attributes(attrs.speculation(speculation))
+            if self._draft is not None and plan.speculate:
+                span.set_attributes(attrs.pairing(self._draft.pairing))
+            with self._tracer.start_span(attrs.TARGET_PREFILL, context=ctx, attributes={"gen_ai.usage.input_tokens": len(plan.prompt_ids)}):
+                self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed, plan.capacity))
+            for chunk in self._rounds(sid, plan, draft, speculation, ctx):
                 if chunk.finish_reason:
                     final = chunk
                     break
                 yield chunk
+        except ServiceError as err:
+            set_error(span, err.code, str(err))
+            raise
+        except GeneratorExit:  # the caller went away mid-stream
+            set_error(span, grpc.StatusCode.CANCELLED, "the caller cancelled the stream")
+            raise
+        except Exception as err:
+            span.record_exception(err)
+            set_error(span, grpc.StatusCode.INTERNAL, repr(err))
+            raise
         finally:
             # Free the sessions before the last message leaves, so that a client that has
             # its completion never sees this request as active.
-            self._engine.submit(Release(sid))
-            if draft is not None:
-                draft.close()
-            with self._lock:
-                self.totals.active -= 1
+            if admitted:
+                self._engine.submit(Release(sid))
+                if draft is not None:
+                    draft.close()
+                with self._lock:
+                    self.totals.active -= 1
+            if final is not None:
+                span.set_attributes(attrs.usage(final.usage, final.finish_reason))
+            span.end()
         if final is not None:
             usage = final.usage
             with self._lock:
@@ -165,50 +217,94 @@ class Decoder:
             yield final
 
     def _rounds(
-        self, sid: str, plan: Plan, draft: DraftSession | None, speculation: common_pb2.Speculation
+        self,
+        sid: str,
+        plan: Plan,
+        draft: DraftSession | None,
+        speculation: common_pb2.Speculation,
+        ctx: otel_context.Context,
     ) -> Iterator[verify_pb2.DecodeChunk]:
         usage = UsageTally(prompt_tokens=len(plan.prompt_ids))
+        started = time.perf_counter()
         for index in range(plan.max_new_tokens):
-            remaining = plan.max_new_tokens - usage.completion_tokens
-            # Never propose past the last position the request may emit.
-            k = min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
-            proposal, draft_seconds = NO_DRAFT, 0.0
-            if k > 0:
-                try:
-                    proposal, draft_seconds = draft.propose(k)
-                except DraftLost as lost:
-                    speculation = target_only(lost.reason, str(lost))
-                    self._draft.forget(lost)
-                    draft.close()
-                    draft = None
-            verified: Verified = self._engine.run(Verify(sid, proposal))
-            if draft is not None and proposal.ids:
-                draft.commit(verified.accepted, verified.tokens[-1])
-
-            tokens, finish = self._cut(verified.tokens, remaining)
-            stats = common_pb2.RoundStats(
-                index=index,
-                draft_tokens=len(proposal.ids),
-                accepted_tokens=verified.accepted,
-                closing=(
-                    common_pb2.CLOSING_TOKEN_BONUS
-                    if verified.accepted == len(proposal.ids)
-                    else common_pb2.CLOSING_TOKEN_CORRECTION
-                ),
-                draft_time_us=int(draft_seconds * 1e6),
-                verify_time_us=int(verified.seconds * 1e6),
-            )
-            usage.add(stats, len(tokens))
-            with self._lock:
-                self.totals.proposed += stats.draft_tokens
-                self.totals.accepted += stats.accepted_tokens
-            chunk = verify_pb2.DecodeChunk(token_ids=tokens, round=stats, speculation=speculation)
-            if finish:
-                chunk.finish_reason = finish
-                chunk.usage.CopyFrom(usage.to_proto())
+            with self._tracer.start_span(attrs.ROUND, context=ctx) as span:
+                round_start = time.perf_counter()
+                draft, speculation, chunk = self._round(
+                    sid, plan, index, usage, draft, speculation, trace.set_span_in_context(span)
+                )
+                stats = chunk.round
+                span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), self._acceptance(usage)))
+                if not speculation.speculating:
+                    span.set_attributes(attrs.speculation(speculation))
+            self._metrics.round_duration.record(time.perf_counter() - round_start)
+            self._metrics.speculated(stats.draft_tokens, stats.accepted_tokens)
+            self._metrics.generated.add(len(chunk.token_ids))
+            if stats.draft_tokens:
+                self._metrics.accepted_per_round.record(stats.accepted_tokens)
+            if chunk.finish_reason:
+                elapsed = time.perf_counter() - started
+                if elapsed > 0:
+                    self._metrics.tokens_per_second.record(usage.completion_tokens / elapsed)
                 yield chunk
                 return
             yield chunk
+
+    @staticmethod
+    def _acceptance(usage: UsageTally) -> float:
+        return usage.accepted / usage.proposed if usage.proposed else 0.0
+
+    def _round(
+        self,
+        sid: str,
+        plan: Plan,
+        index: int,
+        usage: UsageTally,
+        draft: DraftSession | None,
+        speculation: common_pb2.Speculation,
+        ctx: otel_context.Context,
+    ) -> tuple[DraftSession | None, common_pb2.Speculation, verify_pb2.DecodeChunk]:
+        """One round: proposal, verification, the chunk to stream (and the draft session
+        and speculation state that the next round continues with)."""
+        remaining = plan.max_new_tokens - usage.completion_tokens
+        # Never propose past the last position the request may emit.
+        k = min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
+        proposal, draft_seconds = NO_DRAFT, 0.0
+        if k > 0:
+            try:
+                proposal, draft_seconds = draft.propose(k, inject(ctx))
+            except DraftLost as lost:
+                speculation = target_only(lost.reason, str(lost))
+                self._draft.forget(lost)
+                draft.close()
+                draft = None
+        with self._tracer.start_span(attrs.TARGET_VERIFY, context=ctx) as span:
+            verified: Verified = self._engine.run(Verify(sid, proposal))
+            span.set_attributes({"specdec.positions": len(proposal.ids) + 1, "specdec.compute_us": int(verified.seconds * 1e6)})
+        if draft is not None and proposal.ids:
+            draft.commit(verified.accepted, verified.tokens[-1])
+
+        tokens, finish = self._cut(verified.tokens, remaining)
+        stats = common_pb2.RoundStats(
+            index=index,
+            draft_tokens=len(proposal.ids),
+            accepted_tokens=verified.accepted,
+            closing=(
+                common_pb2.CLOSING_TOKEN_BONUS
+                if verified.accepted == len(proposal.ids)
+                else common_pb2.CLOSING_TOKEN_CORRECTION
+            ),
+            draft_time_us=int(draft_seconds * 1e6),
+            verify_time_us=int(verified.seconds * 1e6),
+        )
+        usage.add(stats, len(tokens))
+        with self._lock:
+            self.totals.proposed += stats.draft_tokens
+            self.totals.accepted += stats.accepted_tokens
+        chunk = verify_pb2.DecodeChunk(token_ids=tokens, round=stats, speculation=speculation)
+        if finish:
+            chunk.finish_reason = finish
+            chunk.usage.CopyFrom(usage.to_proto())
+        return draft, speculation, chunk
 
     def _cut(self, tokens: list[int], remaining: int) -> tuple[list[int], common_pb2.FinishReason]:
         """The round's tokens up to the first EOS or the length limit, and why it ended."""
@@ -219,7 +315,9 @@ class Decoder:
             return tokens[:remaining], common_pb2.FINISH_REASON_LENGTH
         return tokens, common_pb2.FINISH_REASON_UNSPECIFIED
 
-    def _open_draft(self, sid: str, plan: Plan) -> tuple[DraftSession | None, common_pb2.Speculation]:
+    def _open_draft(
+        self, sid: str, plan: Plan, ctx: otel_context.Context
+    ) -> tuple[DraftSession | None, common_pb2.Speculation]:
         if not plan.speculate:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request")
         if self._draft is None:
@@ -236,4 +334,5 @@ class Decoder:
         if pairing.overrides:
             detail = f"paired under operator override: {', '.join(pairing.overrides)}"
             speculation = common_pb2.Speculation(speculating=True, detail=detail)
-        return self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity), speculation
+        session = self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity, inject(ctx))
+        return session, speculation

@@ -14,6 +14,7 @@ import grpc
 
 from specdec.pairing import REFUSAL_FACTS_KEY, PairingPolicy, base_record, decide, describe_refused_draft, transport_of_address
 from specdec.serving import channel_options
+from specdec.telemetry import Metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, pairing_pb2
 from verify_service.verifier import DraftProposal
 
@@ -69,6 +70,7 @@ class DraftClient:
         self._seconds_per_token: float | None = None  # moving average of observed proposals
         self._lost: DraftLost | None = None  # the last failure or refusal, answered until _retry_at
         self._retry_at = 0.0
+        self._unawaited: set[grpc.Future] = set()  # calls sent without waiting, held until done
 
     @property
     def pairing(self) -> pairing_pb2.Pairing:
@@ -151,16 +153,23 @@ class DraftClient:
         self._settle(record, "", lost)
 
     def open(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: common_pb2.SamplingParams, max_tokens: int
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: common_pb2.SamplingParams,
+        max_tokens: int,
+        metadata: Metadata,
     ) -> DraftSession:
-        """Starts the draft's prefill without waiting for it (the target prefills meanwhile)."""
+        """Starts the draft's prefill without waiting for it (the target prefills meanwhile);
+        metadata carries the request's trace context."""
         with self._lock:
             pairing_id = self._pairing_id
         request = draft_pb2.OpenSessionRequest(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
             pairing_id=pairing_id,
         )  # fmt: skip
-        return DraftSession(self, session_id, self._stub.OpenSession.future(request, timeout=self.deadlines.open_s))
+        opening = self._stub.OpenSession.future(request, timeout=self.deadlines.open_s, metadata=metadata)
+        return DraftSession(self, session_id, opening)
 
     def round_deadline_s(self, num_tokens: int) -> float:
         with self._lock:
@@ -174,6 +183,17 @@ class DraftClient:
             sample = seconds / num_tokens
             old = self._seconds_per_token
             self._seconds_per_token = sample if old is None else 0.9 * old + 0.1 * sample
+
+    def keep_until_done(self, call: grpc.Future) -> None:
+        """Holds a call nobody waits for until it completes: grpc cancels a call whose
+        future is garbage-collected, which would leave its session open on the draft."""
+        with self._lock:
+            self._unawaited.add(call)
+        call.add_done_callback(self._forget_call)
+
+    def _forget_call(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._unawaited.discard(call)
 
     def close(self) -> None:
         self._channel.close()
@@ -191,8 +211,9 @@ class DraftSession:
         self._appended: list[int] = []
         self._closed = False
 
-    def propose(self, num_tokens: int) -> tuple[DraftProposal, float]:
-        """The next num_tokens draft tokens and the seconds waited for them; raises DraftLost."""
+    def propose(self, num_tokens: int, metadata: Metadata) -> tuple[DraftProposal, float]:
+        """The next num_tokens draft tokens and the seconds waited for them; raises DraftLost.
+        metadata carries the round's trace context (the draft's span is the round's child)."""
         start = time.perf_counter()
         if self._opening is not None:
             try:
@@ -205,7 +226,9 @@ class DraftSession:
         )
         proposing = time.perf_counter()
         try:
-            response = self._stub.Propose(request, timeout=self._client.round_deadline_s(num_tokens))
+            response = self._stub.Propose(
+                request, timeout=self._client.round_deadline_s(num_tokens), metadata=metadata
+            )
         except grpc.RpcError as error:
             raise DraftLost.from_rpc(error, "proposal") from None
         end = time.perf_counter()
@@ -228,5 +251,13 @@ class DraftSession:
         if self._closed:
             return
         self._closed = True
+        opening, self._opening = self._opening, None
+        if opening is None:
+            self._send_close()
+        else:  # a request that ended before its first proposal: close after the open, not before
+            self._client.keep_until_done(opening)
+            opening.add_done_callback(lambda _: self._send_close())
+
+    def _send_close(self) -> None:
         request = draft_pb2.CloseSessionRequest(session_id=self.session_id)
-        self._stub.CloseSession.future(request, timeout=self._client.deadlines.open_s)
+        self._client.keep_until_done(self._stub.CloseSession.future(request, timeout=self._client.deadlines.open_s))

@@ -17,9 +17,11 @@ from specdec.flags import option, parse_config
 from specdec.host import HostProbe
 from specdec.pairing import PairingPolicy, base_record
 from specdec.runtime import CausalLM, ModelSpec
+from specdec.metrics import SpeculationMetrics, observe_peak_memory, observe_sessions
 from specdec.serving import Service, setup_logging
+from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
-from verify_service.decoder import Decoder
+from verify_service.decoder import Decoder, Instruments
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from verify_service.verifier import Verifier
 
@@ -47,6 +49,7 @@ class VerifyConfig:
     threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
     workers: int = option(64, "gRPC handler threads (one per streaming request)")
     grace_s: float = option(5.0, "seconds in-flight streams get to finish after SIGTERM")
+    metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServicer):
@@ -60,8 +63,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
 
     def Decode(self, request: verify_pb2.DecodeRequest, context: grpc.ServicerContext):
         try:
-            plan = self._decoder.plan(request)
-            yield from self._decoder.decode(plan)
+            yield from self._decoder.decode(request, incoming(context))
         except ServiceError as err:
             context.abort(err.code, str(err))
 
@@ -100,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(config: VerifyConfig, probe: HostProbe) -> int:
     """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
     log = setup_logging("verify")
+    telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
     model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
@@ -136,7 +139,10 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         record.detail = "no draft service is configured (--draft is empty)"
         return record
 
-    decoder = Decoder(engine, model, draft, config.max_new_tokens_limit, config.max_sessions)
+    instruments = Instruments(telemetry.tracer, SpeculationMetrics(telemetry.meter), config.model)
+    decoder = Decoder(engine, model, draft, config.max_new_tokens_limit, config.max_sessions, instruments)
+    observe_sessions(telemetry.meter, lambda: decoder.totals.active, "requests being decoded")
+    observe_peak_memory(telemetry.meter, model.device)
     service = Service("verify", config.listen, config.workers, config.grace_s)
     servicer = VerifyServicer(decoder, verifier, config, pairing)
     service.add(
@@ -158,4 +164,5 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     engine.stop()
     if draft is not None:
         draft.close()
+    telemetry.shutdown(config.grace_s)
     return 0

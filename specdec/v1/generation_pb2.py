@@ -26,7 +26,7 @@ from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.v1 import verify_pb2 as specdec_dot_v1_dot_verify__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x17specdec/v1/verify.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"t\n\x13SpeculationSettings\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x1d\n\x10num_draft_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\"\xcc\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x34\n\x0bspeculation\x18\t \x01(\x0b\x32\x1f.specdec.v1.SpeculationSettingsB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xdb\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x05round\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundStats\x12,\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x17.specdec.v1.Speculation\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\"-\n\x12GatewayInfoRequest\x12\x17\n\x0frecent_requests\x18\x01 \x01(\r\"`\n\x0bGatewayInfo\x12\x16\n\x0everify_address\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12&\n\x06verify\x18\x03 \x01(\x0b\x32\x16.specdec.v1.VerifyInfo2\x99\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x42\n\x07GetInfo\x12\x1e.specdec.v1.GatewayInfoRequest\x1a\x17.specdec.v1.GatewayInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x17specdec/v1/verify.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"t\n\x13SpeculationSettings\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x1d\n\x10num_draft_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\"\xcc\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x34\n\x0bspeculation\x18\t \x01(\x0b\x32\x1f.specdec.v1.SpeculationSettingsB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xed\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x05round\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundStats\x12,\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x17.specdec.v1.Speculation\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x10\n\x08trace_id\x18\x07 \x01(\t\"-\n\x12GatewayInfoRequest\x12\x17\n\x0frecent_requests\x18\x01 \x01(\r\"`\n\x0bGatewayInfo\x12\x16\n\x0everify_address\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12&\n\x06verify\x18\x03 \x01(\x0b\x32\x16.specdec.v1.VerifyInfo2\x99\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x42\n\x07GetInfo\x12\x1e.specdec.v1.GatewayInfoRequest\x1a\x17.specdec.v1.GatewayInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=237
   _globals['_GENERATEREQUEST']._serialized_end=569
   _globals['_GENERATERESPONSE']._serialized_start=572
-  _globals['_GENERATERESPONSE']._serialized_end=791
-  _globals['_GATEWAYINFOREQUEST']._serialized_start=793
-  _globals['_GATEWAYINFOREQUEST']._serialized_end=838
-  _globals['_GATEWAYINFO']._serialized_start=840
-  _globals['_GATEWAYINFO']._serialized_end=936
-  _globals['_GENERATION']._serialized_start=939
-  _globals['_GENERATION']._serialized_end=1092
+  _globals['_GENERATERESPONSE']._serialized_end=809
+  _globals['_GATEWAYINFOREQUEST']._serialized_start=811
+  _globals['_GATEWAYINFOREQUEST']._serialized_end=856
+  _globals['_GATEWAYINFO']._serialized_start=858
+  _globals['_GATEWAYINFO']._serialized_end=954
+  _globals['_GENERATION']._serialized_start=957
+  _globals['_GENERATION']._serialized_end=1110
 # @@protoc_insertion_point(module_scope)

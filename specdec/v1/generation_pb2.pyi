@@ -45,20 +45,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "round", "speculation", "finish_reason", "usage")
+    __slots__ = ("text", "token_ids", "round", "speculation", "finish_reason", "usage", "trace_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     round: _common_pb2.RoundStats
     speculation: _common_pb2.Speculation
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[_common_pb2.RoundStats, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[_common_pb2.RoundStats, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class GatewayInfoRequest(_message.Message):
     __slots__ = ("recent_requests",)
