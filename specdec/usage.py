@@ -28,6 +28,10 @@ class UsageTally:
         if round_stats.accepted_tokens < round_stats.draft_tokens:
             self.rejections += 1
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
     def to_proto(self) -> common_pb2.Usage:
         return common_pb2.Usage(
             prompt_tokens=self.prompt_tokens,
@@ -36,6 +40,6 @@ class UsageTally:
             draft_tokens_proposed=self.proposed,
             draft_tokens_accepted=self.accepted,
             rejections=self.rejections,
-            acceptance_rate=self.accepted / self.proposed if self.proposed else 0.0,
+            acceptance_rate=self.acceptance_rate,
             alpha_hat=self.accepted / (self.accepted + self.rejections) if self.accepted + self.rejections else 0.0,
         )

@@ -233,7 +233,7 @@ class Decoder:
                     sid, plan, index, usage, draft, speculation, trace.set_span_in_context(span)
                 )
                 stats = chunk.round
-                span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), self._acceptance(usage)))
+                span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), usage.acceptance_rate))
                 if not speculation.speculating:
                     span.set_attributes(attrs.speculation(speculation))
             self._metrics.round_duration.record(time.perf_counter() - round_start)
@@ -248,10 +248,6 @@ class Decoder:
                 yield chunk
                 return
             yield chunk
-
-    @staticmethod
-    def _acceptance(usage: UsageTally) -> float:
-        return usage.accepted / usage.proposed if usage.proposed else 0.0
 
     def _round(
         self,
