@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.engine import run_each
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.runtime import CausalLM, KVCache
 from specdec.sampling import SamplingParams, propose_token
 from specdec.v1 import draft_pb2
@@ -29,6 +30,7 @@ class DraftSession:
     cache: KVCache  # covers tokens[:cache.length]
     params: SamplingParams
     generator: torch.Generator
+    last_used: float  # monotonic time of the open or the latest proposal
 
 
 @dataclass(frozen=True)
@@ -53,18 +55,34 @@ class Close:
     session_id: str
 
 
+@dataclass(frozen=True)
+class Expire:
+    idle_s: float  # close sessions unused for longer than this
+
+
+FORGET_AFTER = 4096  # expired or closed-before-opened session ids remembered
+
+
 @dataclass
 class Drafter:
     model: CausalLM
     support_size: int
+    max_sessions: int = 64
     sessions: dict[str, DraftSession] = field(default_factory=dict)
     proposals: int = 0
+    expirations: int = 0
+    expired: OrderedDict[str, float] = field(default_factory=OrderedDict)  # recent ones: session id -> idle seconds
+    # Closes that arrived before their open (both calls waited in a stalled process and
+    # ran in either order): that open must not create a session nobody will close.
+    closed_unopened: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
-    def execute(self, steps: list[Open | Propose | Close]) -> list[object]:
-        return run_each(steps, {Open: self.open, Propose: self.propose, Close: self.close})
+    def execute(self, steps: list[Open | Propose | Close | Expire]) -> list[object]:
+        return run_each(steps, {Open: self.open, Propose: self.propose, Close: self.close, Expire: self.expire})
 
     def open(self, step: Open) -> float:
         """Creates the session and prefills all but the last prompt token; returns seconds."""
+        if len(self.sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"{len(self.sessions)} draft sessions are open, the limit (--max-sessions) is {self.max_sessions}")
         if not step.prompt_ids:
             raise InvalidArgument("prompt_ids: must not be empty")
         if len(step.prompt_ids) >= self.model.max_positions:
@@ -73,6 +91,8 @@ class Drafter:
             )
         if step.session_id in self.sessions:
             raise FailedPrecondition(f"session {step.session_id!r} is already open")
+        if step.session_id in self.closed_unopened:
+            raise FailedPrecondition(f"session {step.session_id!r} was closed before it was opened")
         start = time.perf_counter()
         cache = self.model.new_cache(step.capacity or None)
         if len(step.prompt_ids) > 1:
@@ -83,13 +103,18 @@ class Drafter:
             cache=cache,
             params=step.params,
             generator=self.model.new_generator(draft_seed(step.seed)),
+            last_used=time.monotonic(),
         )
         return time.perf_counter() - start
 
     def propose(self, step: Propose) -> list[draft_pb2.DraftToken]:
         session = self.sessions.get(step.session_id)
         if session is None:
+            if step.session_id in self.expired:
+                idle = self.expired[step.session_id]
+                raise NotFound(f"draft session {step.session_id!r} expired after {idle:.1f} s without a proposal")
             raise NotFound(f"no draft session {step.session_id!r}")
+        session.last_used = time.monotonic()
         proposed = len(session.tokens) - session.committed
         if step.accepted > proposed:
             raise InvalidArgument(f"accepted: {step.accepted} exceeds the {proposed} tokens proposed last round")
@@ -118,4 +143,22 @@ class Drafter:
         return tokens
 
     def close(self, step: Close) -> bool:
-        return self.sessions.pop(step.session_id, None) is not None
+        existed = self.sessions.pop(step.session_id, None) is not None
+        if not existed and step.session_id not in self.expired:
+            _remember(self.closed_unopened, step.session_id, None)
+        return existed
+
+    def expire(self, step: Expire) -> list[str]:
+        """Closes the sessions idle for longer than step.idle_s; returns their ids."""
+        now = time.monotonic()
+        idle = [sid for sid, s in self.sessions.items() if now - s.last_used > step.idle_s]
+        self.expirations += len(idle)
+        for sid in idle:
+            _remember(self.expired, sid, now - self.sessions.pop(sid).last_used)
+        return idle
+
+
+def _remember(memory: OrderedDict, key: str, value: object) -> None:
+    memory[key] = value
+    while len(memory) > FORGET_AFTER:
+        memory.popitem(last=False)

@@ -15,7 +15,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from draft_service.drafter import Close, Drafter, Open, Propose
+from draft_service.drafter import Close, Drafter, Expire, Open, Propose
 from specdec import defaults
 from specdec.engine import Engine
 from specdec.errors import ServiceError
@@ -23,6 +23,7 @@ from specdec.facts import peer_facts
 from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
 from specdec.host import HostProbe
+from specdec.idle import IdleSweeper
 from specdec.pairing import REFUSAL_FACTS_KEY, check_verifier, describe_host, transport_of_peer
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams
@@ -44,6 +45,8 @@ class DraftConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
+    max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
+    session_idle_s: float = option(60.0, "close a session that gets no proposal call for this many seconds; 0: never")
     threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
     workers: int = option(32, "gRPC handler threads")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish after SIGTERM")
@@ -61,8 +64,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         probe: HostProbe,
         log: logging.Logger,
         telemetry: Telemetry,
+        idle_s: float,
     ) -> None:
         self._drafter = drafter
+        self._idle_s = idle_s
         self._tracer = telemetry.tracer
         self._metrics = SpeculationMetrics(telemetry.meter)
         self._proposal_duration = proposal_duration(telemetry.meter)
@@ -76,7 +81,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._pairings: OrderedDict[str, str] = OrderedDict()  # pairing id -> verifier host
 
     def Pair(self, request: pairing_pb2.PairRequest, context: grpc.ServicerContext):
-        facts = peer_facts(self._drafter.model, self._model_name, self._tokenizer, self._probe, max_sessions=0)
+        facts = peer_facts(self._drafter.model, self._model_name, self._tokenizer, self._probe, kv_budget_bytes=0)
         transport = transport_of_peer(context.peer())
         refusal = check_verifier(transport, request.verifier, facts, request.allow_different_tokenizer)
         verifier = describe_host(request.verifier.host)
@@ -134,6 +139,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             forwards=model.forwards,
             proposals=self._drafter.proposals,
             runtime=model.backend,
+            max_sessions=self._drafter.max_sessions,
+            session_idle_s=self._idle_s,
+            expired_sessions=self._drafter.expirations,
         )
 
     def _run(self, step: object, context: grpc.ServicerContext):
@@ -177,13 +185,21 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
         torch.set_num_threads(config.threads)
     model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
     step_time_s = model.step_time_s()
-    drafter = Drafter(model, config.support_size)
+    drafter = Drafter(model, config.support_size, config.max_sessions)
     engine = Engine(drafter.execute, "draft-engine")
+
+    def expire() -> None:
+        for sid in engine.run(Expire(config.session_idle_s)):
+            log.warning("session %s expired after %.1f s without a proposal", sid, config.session_idle_s)
+
+    sweeper = IdleSweeper(config.session_idle_s, expire, "draft-idle")
     service = Service("draft", config.listen, config.workers, config.grace_s)
     observe_sessions(telemetry.meter, lambda: len(drafter.sessions), "draft sessions open")
     observe_peak_memory(telemetry.meter, model.device)
     fingerprint = load_fingerprint(config.model)
-    servicer = DraftServicer(drafter, engine, config.model, step_time_s, fingerprint, probe, log, telemetry)
+    servicer = DraftServicer(
+        drafter, engine, config.model, step_time_s, fingerprint, probe, log, telemetry, config.session_idle_s
+    )
     service.add(
         draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name,
         lambda server: draft_pb2_grpc.add_DraftServicer_to_server(servicer, server),
@@ -200,6 +216,7 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     service.wait_for_signal()
     log.info("shutting down")
     service.stop()
+    sweeper.stop()
     engine.stop()
     telemetry.shutdown(config.grace_s)
     return 0

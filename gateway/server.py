@@ -6,6 +6,7 @@ round into a GenerateResponse: UTF-8-safe text deltas, stop sequences, usage.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,7 @@ from specdec.errors import InvalidArgument, ServiceError, Unavailable
 from specdec.flags import option, parse_config
 from specdec import span_attributes as attrs
 from specdec.metrics import SpeculationMetrics, observe_sessions
-from specdec.serving import Service, channel_options, remaining_timeout, setup_logging
+from specdec.serving import Drain, Service, channel_options, remaining_timeout, setup_logging
 from specdec.telemetry import Telemetry, incoming, inject, set_error, trace_id_hex
 from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, generation_pb2, generation_pb2_grpc, verify_pb2, verify_pb2_grpc
@@ -39,8 +40,9 @@ class GatewayConfig:
     default_max_new_tokens: int = option(64, "max_new_tokens of requests that do not set it")
     max_stop_sequences: int = option(16, "most stop sequences a request may give")
     max_stop_length: int = option(256, "longest stop sequence, in characters")
-    workers: int = option(64, "gRPC handler threads (one per streaming request)")
+    workers: int = option(64, "gRPC handler threads: most calls served at once (more get RESOURCE_EXHAUSTED)")
     grace_s: float = option(5.0, "seconds in-flight streams get to finish after SIGTERM")
+    max_message_bytes: int = option(4 * 2**20, "largest request message accepted (larger get RESOURCE_EXHAUSTED)")
     metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
 
 
@@ -51,10 +53,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         verify: verify_pb2_grpc.VerifyStub,
         config: GatewayConfig,
         telemetry: Telemetry,
+        drain: Drain,
     ) -> None:
         self._tokenizer = tokenizer
         self._verify = verify
         self._config = config
+        self._drain = drain
         self._tracer = telemetry.tracer
         self._metrics = SpeculationMetrics(telemetry.meter)
         self._lock = threading.Lock()
@@ -109,9 +113,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     span.set_attributes(attrs.usage(response.usage, response.finish_reason))
                     elapsed = time.perf_counter() - started
                     self._metrics.tokens_per_second.record(response.usage.completion_tokens / elapsed)
+                else:
+                    self._drain.check()
                 yield response
         except grpc.RpcError as err:
-            abort(err.code(), err.details())
+            details = err.details()
+            if err.code() == grpc.StatusCode.UNAVAILABLE:  # name the service that is down
+                details = f"verify service at {self._config.verify}: {details}"
+            abort(err.code(), details)
         except ServiceError as err:
             abort(err.code, str(err))
         finally:
@@ -124,7 +133,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         except grpc.RpcError as err:
             context.abort(err.code(), f"verify service at {self._config.verify}: {err.details()}")
-        return generation_pb2.GatewayInfo(verify_address=self._config.verify, tokenizer=self._config.tokenizer, verify=verify)
+        return generation_pb2.GatewayInfo(
+            verify_address=self._config.verify, tokenizer=self._config.tokenizer, verify=verify, active_streams=self.streams
+        )
 
     def _decode_request(self, request: generation_pb2.GenerateRequest) -> verify_pb2.DecodeRequest:
         which = request.WhichOneof("prompt")
@@ -193,19 +204,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         raise Unavailable("the verify service ended the stream before the completion finished")
 
 
+def follow_verify_health(channel: grpc.Channel, service: Service, log: logging.Logger) -> None:
+    """The gateway reports NOT_SERVING while its verify service cannot be reached (a load
+    balancer then sends clients elsewhere) and SERVING again once the channel is back;
+    gRPC reconnects by itself."""
+
+    def changed(state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.READY:
+            service.set_serving(True)
+            log.info("verify service reachable")
+        elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            service.set_serving(False)
+            log.warning("verify service unreachable: answering UNAVAILABLE until it is back")
+
+    channel.subscribe(changed, try_to_connect=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(GatewayConfig, argv, "python -m gateway", "specdec gateway: the public Generation API", "SPECDEC_GATEWAY")
     log = setup_logging("gateway")
     telemetry = Telemetry("specdec-gateway", config.metrics_listen, log)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     channel = grpc.insecure_channel(config.verify, options=channel_options())
-    servicer = GenerationServicer(tokenizer, verify_pb2_grpc.VerifyStub(channel), config, telemetry)
-    service = Service("gateway", config.listen, config.workers, config.grace_s)
+    service = Service("gateway", config.listen, config.workers, config.grace_s, config.max_message_bytes)
+    servicer = GenerationServicer(tokenizer, verify_pb2_grpc.VerifyStub(channel), config, telemetry, service.drain)
     service.add(
         generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
         lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
     )
     service.start()
+    follow_verify_health(channel, service, log)
     log.info("serving the Generation API on %s, verify service at %s", config.listen, config.verify)
     service.wait_for_signal()
     log.info("shutting down")

@@ -27,3 +27,11 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

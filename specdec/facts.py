@@ -17,14 +17,14 @@ def model_facts(model: CausalLM, name: str) -> pairing_pb2.ModelFacts:
     )
 
 
-def memory_facts(model: CausalLM, probe: HostProbe, max_sessions: int) -> pairing_pb2.MemoryFacts:
-    """Memory figures now; the KV budget is max_sessions sessions of the whole context."""
+def memory_facts(model: CausalLM, probe: HostProbe, kv_budget_bytes: int) -> pairing_pb2.MemoryFacts:
+    """Memory figures now; kv_budget_bytes is what every session slot may reserve together."""
     kind, total, used = probe.memory(model.device)
     return pairing_pb2.MemoryFacts(
         kind=kind,
         total_bytes=total,
         weights_bytes=model.weights_bytes,
-        kv_budget_bytes=max_sessions * model.max_positions * model.kv_bytes_per_token,
+        kv_budget_bytes=kv_budget_bytes,
         used_bytes=used,
     )
 
@@ -34,12 +34,12 @@ def peer_facts(
     name: str,
     tokenizer: pairing_pb2.TokenizerFingerprint,
     probe: HostProbe,
-    max_sessions: int,
+    kv_budget_bytes: int,
 ) -> pairing_pb2.PeerFacts:
     return pairing_pb2.PeerFacts(
         host=probe.identity(),
         device=probe.device(model.device),
         model=model_facts(model, name),
         tokenizer=tokenizer,
-        memory=memory_facts(model, probe, max_sessions),
+        memory=memory_facts(model, probe, kv_budget_bytes),
     )

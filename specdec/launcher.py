@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-SERVICES = ("draft", "verify", "gateway")  # start order; stopped in reverse
+SERVICES = ("draft", "verify", "gateway")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class StackConfig:
         return [*program, "--listen", self.address(service), *args, *self.extra_args.get(service, [])]
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class StackError(RuntimeError):
     pass
 
@@ -71,18 +79,15 @@ class Stack:
         return self.config.workdir / f"{service}.log"
 
     def start(self, timeout_s: float = 180.0) -> None:
-        """Starts every service and waits until all report SERVING. The draft comes first:
-        the verify service pairs with it as it starts, so the first request speculates."""
+        """Starts every service at once and waits until all report SERVING. The verify
+        service waits for its draft to come up and pairs with it before it serves
+        (--draft-startup-wait-s), so the first request speculates."""
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.config.env, "PYTHONUNBUFFERED": "1"}
         deadline = time.monotonic() + timeout_s
         services = self.services()
-        if services[0] == "draft":
-            self.start_service("draft", env)
-            self.wait_healthy("draft", deadline)
         for service in services:
-            if service not in self.processes:
-                self.start_service(service, env)
+            self.start_service(service, env)
         for service in services:
             self.wait_healthy(service, deadline)
 
@@ -121,21 +126,23 @@ class Stack:
         self.processes[service].send_signal(sig)
 
     def stop(self, timeout_s: float = 20.0) -> dict[str, int]:
-        """SIGTERM to each service, gateway first; returns their exit codes."""
+        """SIGTERM to the gateway and the verify service (both drain their streams for
+        their grace period), then to the draft, which the draining verify service may
+        still use; returns the exit codes."""
         codes: dict[str, int] = {}
-        for service in reversed(SERVICES):
-            process = self.processes.pop(service, None)
-            if process is None:
-                continue
-            if process.poll() is None:
-                process.send_signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
-                process.terminate()
+        for wave in (("gateway", "verify"), ("draft",)):
+            stopping = {s: self.processes.pop(s) for s in wave if s in self.processes}
+            for process in stopping.values():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                    process.terminate()
+            for service, process in stopping.items():
                 try:
                     process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-            codes[service] = process.returncode
+                codes[service] = process.returncode
         return codes
 
     def __enter__(self) -> Stack:

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -15,6 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from transformers.utils import logging as transformers_logging
+
+from specdec.errors import Unavailable
 
 
 UNIX_PREFIX = "unix://"
@@ -47,14 +50,42 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-class Service:
-    """A gRPC server with health and reflection, stopped gracefully by a signal."""
+class Drain:
+    """The shutdown clock of a service. After SIGTERM, streams get the grace period to
+    finish; one still running near its end ends itself with UNAVAILABLE, so that its
+    client reads why instead of the transport's bare cancellation."""
 
-    def __init__(self, name: str, listen: str, max_workers: int, grace_s: float) -> None:
+    def __init__(self, service: str) -> None:
+        self._service = service
+        self._end: float | None = None  # monotonic time after which streams end themselves
+
+    def begin(self, grace_s: float) -> None:
+        self._end = time.monotonic() + max(0.0, grace_s - min(0.5, grace_s / 2))
+
+    def check(self) -> None:
+        """Raises Unavailable once a draining service's streams must end."""
+        if self._end is not None and time.monotonic() >= self._end:
+            raise Unavailable(f"the {self._service} is shutting down and the stream did not finish in its grace period")
+
+
+class Service:
+    """A gRPC server with health and reflection, stopped gracefully by a signal.
+
+    At most max_workers calls run at once (one handler thread each); gRPC answers calls
+    beyond that RESOURCE_EXHAUSTED instead of queueing them without bound."""
+
+    def __init__(
+        self, name: str, listen: str, max_workers: int, grace_s: float, max_message_bytes: int = 4 * 2**20
+    ) -> None:
         self.name = name
         self.listen = listen
         self.grace_s = grace_s
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name))
+        self.drain = Drain(f"{name} service")
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
+            maximum_concurrent_rpcs=max_workers,
+            options=[("grpc.max_receive_message_length", max_message_bytes)],
+        )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
@@ -74,8 +105,13 @@ class Service:
                 socket.unlink()  # left by a process that did not shut down cleanly
         self.server.add_insecure_port(self.listen)
         self.server.start()
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        """Health of every service name (ignored once shutdown began)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self._service_names]:
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(name, status)
 
     def wait_for_signal(self) -> None:
         """Blocks until SIGTERM or SIGINT (or `request_stop`)."""
@@ -89,6 +125,7 @@ class Service:
     def stop(self) -> None:
         """Stops accepting calls and gives in-flight calls the grace period to finish."""
         self.health.enter_graceful_shutdown()
+        self.drain.begin(self.grace_s)
         self.server.stop(self.grace_s).wait()
         socket = unix_socket_path(self.listen)
         if socket is not None and socket.is_socket():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdec import fingerprint
-from specdec.launcher import Stack, StackConfig
+from specdec.launcher import Stack, StackConfig, free_port
 from specdec.v1 import pairing_pb2
 from specdec.toy_models import ToySize, build_model, build_tokenizer, perturbed_copy
 
@@ -33,12 +32,6 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> ToyModels:
     close = perturbed_copy(target, root / "close", noise=0.05, seed=1)
     far = build_model(root / "far", tokenizer, ToySize(), seed=7)
     return ToyModels(target, same, close, far)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 StackFactory = Callable[..., Stack]

@@ -10,7 +10,9 @@ import grpc
 
 from specdec.client import Completion, connect, generate
 from specdec.launcher import Stack
-from specdec.v1 import common_pb2, generation_pb2, verify_pb2, verify_pb2_grpc
+from specdec.v1 import (
+    common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, verify_pb2, verify_pb2_grpc,
+)  # fmt: skip
 
 T = TypeVar("T")
 
@@ -39,9 +41,9 @@ def run(stack: Stack, req: generation_pb2.GenerateRequest, timeout: float = 60.0
         return generate(stub, req, timeout=timeout, **kwargs)
 
 
-def rpc_error(stack: Stack, req: generation_pb2.GenerateRequest) -> grpc.RpcError:
+def rpc_error(stack: Stack, req: generation_pb2.GenerateRequest, **kwargs) -> grpc.RpcError:
     try:
-        run(stack, req)
+        run(stack, req, **kwargs)
     except grpc.RpcError as err:
         return err
     raise AssertionError("the request succeeded")
@@ -50,6 +52,61 @@ def rpc_error(stack: Stack, req: generation_pb2.GenerateRequest) -> grpc.RpcErro
 def verify_info(stack: Stack) -> verify_pb2.VerifyInfo:
     with grpc.insecure_channel(stack.config.verify_address) as channel:
         return verify_pb2_grpc.VerifyStub(channel).GetInfo(verify_pb2.VerifyInfoRequest(), timeout=10)
+
+
+def gateway_info(stack: Stack) -> generation_pb2.GatewayInfo:
+    with grpc.insecure_channel(stack.config.gateway_address) as channel:
+        return generation_pb2_grpc.GenerationStub(channel).GetInfo(generation_pb2.GatewayInfoRequest(), timeout=10)
+
+
+def draft_info(stack: Stack) -> draft_pb2.DraftInfo:
+    with grpc.insecure_channel(stack.config.draft_address) as channel:
+        return draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.DraftInfoRequest(), timeout=10)
+
+
+def open_sessions(stack: Stack) -> dict[str, int]:
+    """Sessions each service holds now: gateway streams, verify sessions and queued
+    requests, draft sessions."""
+    gateway = gateway_info(stack)
+    return {
+        "gateway": gateway.active_streams,
+        "verify": gateway.verify.active_sessions + gateway.verify.queued_requests,
+        "draft": draft_info(stack).active_sessions,
+    }
+
+
+# A client window of about 1 KiB with no automatic growth: a stream whose client stops
+# reading blocks its server within a few messages, as a stalled client does.
+SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+
+
+class HeldDecode:
+    """A Decode stream straight to the verify service whose client reads one message and
+    then stops reading: it holds a session slot until `drain` reads the rest."""
+
+    def __init__(self, stack: Stack, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> None:
+        self._channel = grpc.insecure_channel(stack.config.verify_address, options=SMALL_WINDOW)
+        req = verify_pb2.DecodeRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=common_pb2.SamplingParams(top_p=1.0),
+            speculation=common_pb2.SPECULATION_MODE_OFF,
+        )
+        self.call = verify_pb2_grpc.VerifyStub(self._channel).Decode(req, timeout=timeout)
+        self.token_ids = list(next(self.call).token_ids)
+
+    def drain(self) -> list[int]:
+        """Reads the stream to its end (raising its error, if it ended in one)."""
+        try:
+            for chunk in self.call:
+                self.token_ids.extend(chunk.token_ids)
+        finally:
+            self._channel.close()
+        return self.token_ids
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._channel.close()
 
 
 def wait_for(condition: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
+from specdec.launcher import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
 

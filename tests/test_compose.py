@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.client import Completion, connect, generate
 from specdec.v1 import generation_pb2, pairing_pb2
-from tests.conftest import free_port
+from specdec.launcher import free_port
 from tests.helpers import request, wait_for
 
 REPO = Path(__file__).resolve().parent.parent

@@ -79,7 +79,8 @@ def test_no_draft_configured(toy, stack_factory):
 
 def test_draft_address_with_nobody_listening(toy, stack_factory, tmp_path):
     nowhere = f"unix://{tmp_path}/nobody.sock"
-    stack = stack_factory(toy.target, toy.close, with_draft=False, args={"verify": ["--draft", nowhere]})
+    args = {"verify": ["--draft", nowhere, "--draft-startup-wait-s", "1"]}
+    stack = stack_factory(toy.target, toy.close, with_draft=False, args=args)
     started = time.monotonic()
     completion = run(stack, request(PROMPT, max_new_tokens=32))
     assert time.monotonic() - started < 10

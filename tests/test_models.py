@@ -18,7 +18,7 @@ from models import recipe
 from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS_DIR
 from specdec.offline import speculate
 from specdec.runtime import CausalLM, ModelSpec
-from tests.conftest import free_port
+from specdec.launcher import free_port
 from tests.test_cli import SPECDEC, Lines
 
 PROMPTS = json.loads((MODELS_DIR / recipe.PROMPTS_FILE).read_text())

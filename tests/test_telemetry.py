@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec.client import connect
 from specdec.telemetry import ExportSettings, Telemetry, trace_id_hex
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from tests.conftest import free_port
+from specdec.launcher import free_port
 from tests.helpers import request, run, wait_for
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 

@@ -8,6 +8,7 @@ session already holds every committed token, so nothing is lost or repeated.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -28,9 +29,11 @@ from specdec.errors import InvalidArgument, ResourceExhausted, ServiceError
 from specdec.metrics import SpeculationMetrics
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
+from specdec.serving import Drain, remaining_timeout
 from specdec.telemetry import inject, set_error
 from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, verify_pb2
+from verify_service.admission import Admission, Limits
 from verify_service.draft_client import DraftClient, DraftLost, DraftSession
 from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
 
@@ -70,9 +73,9 @@ class Totals:
     """Service-wide counters reported by GetInfo."""
 
     requests: int = 0
-    active: int = 0
     proposed: int = 0
     accepted: int = 0
+    expired: int = 0  # sessions freed because their caller stopped taking messages
 
 
 @dataclass(frozen=True)
@@ -93,15 +96,39 @@ class Instruments:
     model_name: str  # gen_ai.request.model
 
 
+@dataclass(frozen=True)
+class DecodeLimits:
+    max_new_tokens: int  # largest max_new_tokens a request may ask for
+    admission: Limits
+    session_kv_bytes: int  # KV cache one session may reserve; 0: the whole context
+    idle_s: float  # a stream whose caller takes no message for this long is cancelled; 0: never
+
+
+def session_kv_budget(model: CausalLM, limit_bytes: int) -> int:
+    """KV-cache bytes one session may reserve: the limit, or the whole context if less or unset."""
+    whole_context = model.max_positions * model.kv_bytes_per_token
+    return min(limit_bytes or whole_context, whole_context)
+
+
+@dataclass
+class Stream:
+    """A request being decoded, as the idle sweep sees it."""
+
+    context: grpc.ServicerContext
+    sending_since: float | None = None  # monotonic time the message now being sent was handed to gRPC
+    expired: bool = False
+
+
 class Decoder:
     def __init__(
         self,
         engine: Engine,
         model: CausalLM,
         draft: DraftClient | None,
-        max_new_tokens_limit: int,
-        max_sessions: int,
+        limits: DecodeLimits,
         instruments: Instruments,
+        drain: Drain,
+        log: logging.Logger,
     ) -> None:
         self._engine = engine
         self._model = model
@@ -109,12 +136,19 @@ class Decoder:
         self._tracer = instruments.tracer
         self._metrics = instruments.metrics
         self._model_name = instruments.model_name
+        self._drain = drain
+        self._log = log
         self._eos = model.eos_token_ids
-        self.max_new_tokens_limit = max_new_tokens_limit
-        self.max_sessions = max_sessions
+        self.limits = limits
+        self.admission = Admission(limits.admission)
         self.totals = Totals()
         self._finished: deque[Finished] = deque(maxlen=RECENT_CAPACITY)
+        self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
+
+    @property
+    def session_kv_budget_bytes(self) -> int:
+        return session_kv_budget(self._model, self.limits.session_kv_bytes)
 
     def recent(self, window: int) -> verify_pb2.RecentRequests:
         """Totals over the last `window` finished requests (0: DEFAULT_RECENT)."""
@@ -133,9 +167,25 @@ class Decoder:
             acceptance_rate=accepted / proposed if proposed else 0.0,
         )
 
+    def expire_idle(self) -> None:
+        """Cancels every stream whose caller has taken no message for the idle period; the
+        stream's own thread then frees its sessions (see `decode`)."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                (sid, s) for sid, s in self._streams.items()
+                if not s.expired and s.sending_since is not None and now - s.sending_since > self.limits.idle_s
+            ]  # fmt: skip
+            for _, stream in idle:
+                stream.expired = True
+                self.totals.expired += 1
+        for sid, stream in idle:
+            self._log.warning("session %s expired: its caller took no message for %.1f s", sid, self.limits.idle_s)
+            stream.context.cancel()
+
     def plan(self, request: verify_pb2.DecodeRequest) -> Plan:
         """Validates a request (InvalidArgument naming the field) and resolves defaults."""
-        max_new = requests.check_max_new_tokens(request.max_new_tokens, self.max_new_tokens_limit)
+        max_new = requests.check_max_new_tokens(request.max_new_tokens, self.limits.max_new_tokens)
         params = requests.sampling_params(request.sampling)
         prompt = requests.check_prompt_ids(
             request.prompt_ids, self._model.vocab_size, self._model.max_positions, max_new
@@ -153,29 +203,37 @@ class Decoder:
             num_draft_tokens=k,
         )
 
-    def decode(self, request: verify_pb2.DecodeRequest, parent: otel_context.Context) -> Iterator[verify_pb2.DecodeChunk]:
-        """Validates the request and streams its rounds, under a `decode` span that is a
-        child of `parent`. Raises InvalidArgument, or ResourceExhausted (before the first
-        round) when max_sessions requests are being served."""
+    def decode(
+        self, request: verify_pb2.DecodeRequest, parent: otel_context.Context, context: grpc.ServicerContext
+    ) -> Iterator[verify_pb2.DecodeChunk]:
+        """Validates the request, takes a session slot (waiting in the queue if need be) and
+        streams its rounds, under a `decode` span that is a child of `parent`. Raises
+        InvalidArgument, ResourceExhausted (before the first round), Cancelled or
+        DeadlineExceeded (while queued), Unavailable (shutdown)."""
         span = self._tracer.start_span(attrs.DECODE, context=parent, kind=trace.SpanKind.SERVER)
         ctx = trace.set_span_in_context(span)
+        done = threading.Event()  # set when the call ends for any reason: wakes a queued request
+        context.add_callback(lambda: (done.set(), self.admission.wake()))
+        timeout = remaining_timeout(context)
+        deadline = None if timeout is None else time.monotonic() + timeout
         draft: DraftSession | None = None
         final = None
+        sid = ""
+        stream = Stream(context)
         admitted = False
         try:
             plan = self.plan(request)
             p = plan.params
             span.set_attributes(attrs.request(self._model_name, plan.max_new_tokens, p.temperature, p.top_k, p.top_p))
+            self._check_kv_budget(plan)
+            queued_s = self.admission.acquire(timeout, done)
+            admitted = True
+            span.set_attribute("specdec.queue_us", int(queued_s * 1e6))
             sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
             with self._lock:
-                if self.totals.active >= self.max_sessions:
-                    raise ResourceExhausted(
-                        f"{self.totals.active} requests are being decoded, the limit (--max-sessions) is {self.max_sessions}"
-                    )
                 self.totals.requests += 1
-                self.totals.active += 1
-                admitted = True
-            draft, speculation = self._open_draft(sid, plan, ctx)
+                self._streams[sid] = stream
+            draft, speculation = self._open_draft(sid, plan, ctx, deadline)
             span.set_attributes(attrs.speculation(speculation))
             if self._draft is not None and plan.speculate:
                 span.set_attributes(attrs.pairing(self._draft.pairing))
@@ -185,12 +243,20 @@ class Decoder:
                 if chunk.finish_reason:
                     final = chunk
                     break
+                self._drain.check()
+                stream.sending_since = time.monotonic()
                 yield chunk
+                stream.sending_since = None
         except ServiceError as err:
             set_error(span, err.code, str(err))
             raise
-        except GeneratorExit:  # the caller went away mid-stream
-            set_error(span, grpc.StatusCode.CANCELLED, "the caller cancelled the stream")
+        except GeneratorExit:  # the stream ended under us: cancelled, past its deadline, or idle
+            if stream.expired:
+                set_error(span, grpc.StatusCode.CANCELLED, f"expired: the caller took no message for {self.limits.idle_s} s")
+            elif deadline is not None and time.monotonic() >= deadline:
+                set_error(span, grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed")
+            else:
+                set_error(span, grpc.StatusCode.CANCELLED, "the caller cancelled the stream")
             raise
         except Exception as err:
             span.record_exception(err)
@@ -199,12 +265,14 @@ class Decoder:
         finally:
             # Free the sessions before the last message leaves, so that a client that has
             # its completion never sees this request as active.
-            if admitted:
+            if sid:
                 self._engine.submit(Release(sid))
-                if draft is not None:
-                    draft.close()
                 with self._lock:
-                    self.totals.active -= 1
+                    del self._streams[sid]
+            if draft is not None:
+                draft.close()
+            if admitted:
+                self.admission.release()
             if final is not None:
                 span.set_attributes(attrs.usage(final.usage, final.finish_reason))
             span.end()
@@ -215,6 +283,15 @@ class Decoder:
                     Finished(usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted)
                 )
             yield final
+
+    def _check_kv_budget(self, plan: Plan) -> None:
+        need = plan.capacity * self._model.kv_bytes_per_token
+        budget = self.session_kv_budget_bytes
+        if need > budget:
+            raise ResourceExhausted(
+                f"the request needs {need / 2**20:.2f} MiB of KV cache for {plan.capacity} positions (prompt plus "
+                f"max_new_tokens), over the per-session budget of {budget / 2**20:.2f} MiB (--session-kv-mib)"
+            )
 
     def _rounds(
         self,
@@ -270,7 +347,8 @@ class Decoder:
                 proposal, draft_seconds = draft.propose(k, inject(ctx))
             except DraftLost as lost:
                 speculation = target_only(lost.reason, str(lost))
-                self._draft.forget(lost)
+                if lost.unpairs:
+                    self._draft.forget(lost)
                 draft.close()
                 draft = None
         with self._tracer.start_span(attrs.TARGET_VERIFY, context=ctx) as span:
@@ -312,7 +390,7 @@ class Decoder:
         return tokens, common_pb2.FINISH_REASON_UNSPECIFIED
 
     def _open_draft(
-        self, sid: str, plan: Plan, ctx: otel_context.Context
+        self, sid: str, plan: Plan, ctx: otel_context.Context, deadline: float | None
     ) -> tuple[DraftSession | None, common_pb2.Speculation]:
         if not plan.speculate:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request")
@@ -330,5 +408,5 @@ class Decoder:
         if pairing.overrides:
             detail = f"paired under operator override: {', '.join(pairing.overrides)}"
             speculation = common_pb2.Speculation(speculating=True, detail=detail)
-        session = self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity, inject(ctx))
+        session = self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity, inject(ctx), deadline)
         return session, speculation

@@ -22,19 +22,28 @@ from verify_service.verifier import DraftProposal
 RETRY_S = 1.0
 
 
-class DraftLost(Exception):
-    """The draft cannot serve this request any more; it continues target-only."""
+# Draft answers about one session only (it expired, or the draft is at capacity): the
+# pairing stands and other requests keep speculating.
+SESSION_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-    def __init__(self, reason: common_pb2.TargetOnlyReason, detail: str) -> None:
+
+class DraftLost(Exception):
+    """The draft cannot serve this request any more; it continues target-only.
+    `unpairs`: the draft itself is in doubt (down, stalled, restarted), so the pairing is
+    dropped and the handshake runs again before the next session."""
+
+    def __init__(self, reason: common_pb2.TargetOnlyReason, detail: str, unpairs: bool = True) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.unpairs = unpairs
 
     @classmethod
     def from_rpc(cls, error: grpc.RpcError, during: str) -> DraftLost:
         code = error.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, f"draft {during} missed its deadline")
-        return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, f"draft {during} failed: {code.name}: {error.details()}")
+        detail = f"draft {during} failed: {code.name}: {error.details()}"
+        return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail, unpairs=code not in SESSION_CODES)
 
 
 @dataclass(frozen=True)
@@ -77,12 +86,13 @@ class DraftClient:
         with self._lock:
             return pairing_pb2.Pairing.FromString(self._pairing.SerializeToString())
 
-    def attach(self, now: bool = False) -> pairing_pb2.Pairing:
+    def attach(self, now: bool = False, wait_s: float = 0.0) -> pairing_pb2.Pairing:
         """The pairing record of a paired draft, running the handshake when there is none;
         raises DraftLost when the draft is refused or unreachable.
 
         After a failure or a refusal the handshake is not tried again for RETRY_S (unless
-        `now`), so that a draft that is down or refused costs new requests nothing."""
+        `now`), so that a draft that is down or refused costs new requests nothing.
+        `wait_s` > 0 waits that long for a draft that is not listening yet (at startup)."""
         with self._lock:
             if self._pairing_id:
                 return self._pairing
@@ -91,7 +101,10 @@ class DraftClient:
         own = self._own_facts()
         request = pairing_pb2.PairRequest(verifier=own, allow_different_tokenizer=self._policy.allow_different_tokenizer)
         try:
-            response = self._stub.Pair(request, timeout=min(self.deadlines.open_s, RETRY_S))
+            if wait_s > 0:
+                response = self._stub.Pair(request, timeout=wait_s, wait_for_ready=True)
+            else:
+                response = self._stub.Pair(request, timeout=min(self.deadlines.open_s, RETRY_S))
         except grpc.RpcError as error:
             record = base_record(self._transport, own)
             record.status = error.code().name
@@ -159,17 +172,21 @@ class DraftClient:
         sampling: common_pb2.SamplingParams,
         max_tokens: int,
         metadata: Metadata,
+        deadline: float | None,
     ) -> DraftSession:
         """Starts the draft's prefill without waiting for it (the target prefills meanwhile);
-        metadata carries the request's trace context."""
+        metadata carries the request's trace context; no draft call outlives `deadline`
+        (the request's, monotonic seconds)."""
         with self._lock:
             pairing_id = self._pairing_id
         request = draft_pb2.OpenSessionRequest(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
             pairing_id=pairing_id,
         )  # fmt: skip
-        opening = self._stub.OpenSession.future(request, timeout=self.deadlines.open_s, metadata=metadata)
-        return DraftSession(self, session_id, opening)
+        session = DraftSession(self, session_id, deadline)
+        timeout = session.within_deadline(self.deadlines.open_s)
+        session.opening = self._stub.OpenSession.future(request, timeout=timeout, metadata=metadata)
+        return session
 
     def round_deadline_s(self, num_tokens: int) -> float:
         with self._lock:
@@ -202,11 +219,12 @@ class DraftClient:
 class DraftSession:
     """One request's draft session. Not shared between threads."""
 
-    def __init__(self, client: DraftClient, session_id: str, opening: grpc.Future) -> None:
+    def __init__(self, client: DraftClient, session_id: str, deadline: float | None) -> None:
         self._client = client
         self._stub = client._stub
         self.session_id = session_id
-        self._opening: grpc.Future | None = opening
+        self._deadline = deadline
+        self.opening: grpc.Future | None = None  # the OpenSession call, until its first proposal
         self._accepted = 0
         self._appended: list[int] = []
         self._closed = False
@@ -215,19 +233,19 @@ class DraftSession:
         """The next num_tokens draft tokens and the seconds waited for them; raises DraftLost.
         metadata carries the round's trace context (the draft's span is the round's child)."""
         start = time.perf_counter()
-        if self._opening is not None:
+        if self.opening is not None:
             try:
-                self._opening.result()
+                self.opening.result()
             except grpc.RpcError as error:
                 raise DraftLost.from_rpc(error, "prefill") from None
-            self._opening = None
+            self.opening = None
         request = draft_pb2.ProposeRequest(
             session_id=self.session_id, accepted=self._accepted, appended_ids=self._appended, num_tokens=num_tokens
         )
         proposing = time.perf_counter()
         try:
             response = self._stub.Propose(
-                request, timeout=self._client.round_deadline_s(num_tokens), metadata=metadata
+                request, timeout=self.within_deadline(self._client.round_deadline_s(num_tokens)), metadata=metadata
             )
         except grpc.RpcError as error:
             raise DraftLost.from_rpc(error, "proposal") from None
@@ -241,6 +259,12 @@ class DraftSession:
         )
         return proposal, end - start
 
+    def within_deadline(self, timeout_s: float) -> float:
+        """timeout_s, cut to what is left of the request's deadline."""
+        if self._deadline is None:
+            return timeout_s
+        return max(0.0, min(timeout_s, self._deadline - time.monotonic()))
+
     def commit(self, accepted: int, closing_token: int) -> None:
         """Records what the verifier kept; sent with the next proposal request."""
         self._accepted = accepted
@@ -251,7 +275,7 @@ class DraftSession:
         if self._closed:
             return
         self._closed = True
-        opening, self._opening = self._opening, None
+        opening, self.opening = self.opening, None
         if opening is None:
             self._send_close()
         else:  # a request that ended before its first proposal: close after the open, not before

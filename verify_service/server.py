@@ -21,7 +21,9 @@ from specdec.metrics import SpeculationMetrics, observe_peak_memory, observe_ses
 from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
-from verify_service.decoder import Decoder, Instruments
+from specdec.idle import IdleSweeper
+from verify_service.admission import Limits
+from verify_service.decoder import DecodeLimits, Decoder, Instruments, session_kv_budget
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from verify_service.verifier import Verifier
 
@@ -35,7 +37,10 @@ class VerifyConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
-    max_sessions: int = option(16, "most requests decoded at once (more get RESOURCE_EXHAUSTED); sizes the KV budget")
+    max_sessions: int = option(16, "most requests decoded at once (more wait in the queue); sizes the KV budget")
+    max_queued: int = option(16, "most requests waiting for a session slot (more get RESOURCE_EXHAUSTED at once)")
+    session_kv_mib: float = option(0.0, "KV cache one session may reserve, in MiB (larger requests get RESOURCE_EXHAUSTED); 0: the whole context")
+    session_idle_s: float = option(60.0, "free a session whose caller takes no message for this many seconds; 0: never")
     require_nvlink: bool = option(False, "refuse a draft on another GPU reached over PCIe only (default: warn)")
     allow_different_tokenizer: bool = option(
         False, "pair with a draft whose tokenizer differs from the target's (same-origin override; shown in Info)"
@@ -46,6 +51,9 @@ class VerifyConfig:
     draft_deadline_factor: float = option(5.0, "a round's draft deadline, in multiples of the expected proposal time")
     draft_deadline_min_ms: float = option(50.0, "the shortest draft deadline of a round, in milliseconds")
     draft_open_timeout_ms: float = option(5000.0, "deadline of the draft's prefill and first proposal, in ms")
+    draft_startup_wait_s: float = option(
+        10.0, "at startup, seconds to wait for a draft service that is not listening yet (it is paired later if it comes up later)"
+    )
     threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
     workers: int = option(64, "gRPC handler threads (one per streaming request)")
     grace_s: float = option(5.0, "seconds in-flight streams get to finish after SIGTERM")
@@ -63,7 +71,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
 
     def Decode(self, request: verify_pb2.DecodeRequest, context: grpc.ServicerContext):
         try:
-            yield from self._decoder.decode(request, incoming(context))
+            yield from self._decoder.decode(request, incoming(context), context)
         except ServiceError as err:
             context.abort(err.code, str(err))
 
@@ -77,8 +85,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
             max_positions=model.max_positions,
             device=str(model.device),
             draft_address=self._config.draft,
-            max_new_tokens_limit=self._decoder.max_new_tokens_limit,
-            active_sessions=totals.active,
+            max_new_tokens_limit=self._decoder.limits.max_new_tokens,
+            active_sessions=self._decoder.admission.active,
             requests=totals.requests,
             rounds=self._verifier.rounds,
             target_forwards=model.forwards,
@@ -87,8 +95,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
             draft_tokens_accepted=totals.accepted,
             runtime=model.backend,
             pairing=self._pairing(),
-            max_sessions=self._decoder.max_sessions,
+            max_sessions=self._decoder.limits.admission.max_sessions,
             recent=self._decoder.recent(request.recent_requests),
+            queued_requests=self._decoder.admission.queued,
+            max_queued=self._decoder.limits.admission.max_queued,
+            session_kv_budget_bytes=self._decoder.session_kv_budget_bytes,
+            session_idle_s=self._decoder.limits.idle_s,
+            expired_sessions=totals.expired,
         )
 
 
@@ -107,9 +120,17 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         torch.set_num_threads(config.threads)
     model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
     tokenizer = load_fingerprint(config.model)
+    limits = DecodeLimits(
+        max_new_tokens=config.max_new_tokens_limit,
+        admission=Limits(config.max_sessions, config.max_queued),
+        session_kv_bytes=int(config.session_kv_mib * 2**20),
+        idle_s=config.session_idle_s,
+    )
+    service = Service("verify", config.listen, config.workers, config.grace_s)
+    kv_budget = config.max_sessions * session_kv_budget(model, limits.session_kv_bytes)
 
     def own_facts() -> pairing_pb2.PeerFacts:
-        return peer_facts(model, config.model, tokenizer, probe, config.max_sessions)
+        return peer_facts(model, config.model, tokenizer, probe, kv_budget)
 
     verifier = Verifier(model)
     engine = Engine(verifier.execute, "verify-engine")
@@ -123,7 +144,9 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         policy = PairingPolicy(config.require_nvlink, config.allow_different_tokenizer, config.allow_memory_pressure)
         draft = DraftClient(config.draft, deadlines, own_facts, policy, log)
         try:
-            draft.attach()  # pair before serving; a draft that is not up yet is asked again later
+            # Pair before serving, so that the first request speculates (services started
+            # together come up together); a draft that is not up yet is asked again later.
+            draft.attach(wait_s=config.draft_startup_wait_s)
         except DraftLost:
             pass  # attach() logged why; requests run target-only and say so
 
@@ -140,10 +163,10 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         return record
 
     instruments = Instruments(telemetry.tracer, SpeculationMetrics(telemetry.meter), config.model)
-    decoder = Decoder(engine, model, draft, config.max_new_tokens_limit, config.max_sessions, instruments)
-    observe_sessions(telemetry.meter, lambda: decoder.totals.active, "requests being decoded")
+    decoder = Decoder(engine, model, draft, limits, instruments, service.drain, log)
+    sweeper = IdleSweeper(config.session_idle_s, decoder.expire_idle, "verify-idle")
+    observe_sessions(telemetry.meter, lambda: decoder.admission.active, "requests being decoded")
     observe_peak_memory(telemetry.meter, model.device)
-    service = Service("verify", config.listen, config.workers, config.grace_s)
     servicer = VerifyServicer(decoder, verifier, config, pairing)
     service.add(
         verify_pb2.DESCRIPTOR.services_by_name["Verify"].full_name,
@@ -161,6 +184,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     service.wait_for_signal()
     log.info("shutting down")
     service.stop()
+    sweeper.stop()
     engine.stop()
     if draft is not None:
         draft.close()

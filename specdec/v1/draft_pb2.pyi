@@ -75,7 +75,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "support_size", "step_time_us", "active_sessions", "forwards", "proposals", "runtime")
+    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "support_size", "step_time_us", "active_sessions", "forwards", "proposals", "runtime", "max_sessions", "session_idle_s", "expired_sessions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,9 @@ class DraftInfo(_message.Message):
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     parameters: int
     vocab_size: int
@@ -98,4 +101,7 @@ class DraftInfo(_message.Message):
     forwards: int
     proposals: int
     runtime: str
-    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., support_size: _Optional[int] = ..., step_time_us: _Optional[int] = ..., active_sessions: _Optional[int] = ..., forwards: _Optional[int] = ..., proposals: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
+    max_sessions: int
+    session_idle_s: float
+    expired_sessions: int
+    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., support_size: _Optional[int] = ..., step_time_us: _Optional[int] = ..., active_sessions: _Optional[int] = ..., forwards: _Optional[int] = ..., proposals: _Optional[int] = ..., runtime: _Optional[str] = ..., max_sessions: _Optional[int] = ..., session_idle_s: _Optional[float] = ..., expired_sessions: _Optional[int] = ...) -> None: ...

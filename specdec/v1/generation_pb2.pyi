@@ -69,11 +69,13 @@ class GatewayInfoRequest(_message.Message):
     def __init__(self, recent_requests: _Optional[int] = ...) -> None: ...
 
 class GatewayInfo(_message.Message):
-    __slots__ = ("verify_address", "tokenizer", "verify")
+    __slots__ = ("verify_address", "tokenizer", "verify", "active_streams")
     VERIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     verify_address: str
     tokenizer: str
     verify: _verify_pb2.VerifyInfo
-    def __init__(self, verify_address: _Optional[str] = ..., tokenizer: _Optional[str] = ..., verify: _Optional[_Union[_verify_pb2.VerifyInfo, _Mapping]] = ...) -> None: ...
+    active_streams: int
+    def __init__(self, verify_address: _Optional[str] = ..., tokenizer: _Optional[str] = ..., verify: _Optional[_Union[_verify_pb2.VerifyInfo, _Mapping]] = ..., active_streams: _Optional[int] = ...) -> None: ...

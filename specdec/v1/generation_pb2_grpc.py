@@ -53,6 +53,10 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Generates a completion of the prompt, streaming text as rounds are verified.
+        Errors: INVALID_ARGUMENT (a field, named in the message), RESOURCE_EXHAUSTED (every
+        session slot and queue place taken, a session over its KV budget, or a message over
+        the size limit), UNAVAILABLE (the verify service is down or restarting, or the
+        service is shutting down), DEADLINE_EXCEEDED (the client's deadline), CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

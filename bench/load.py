@@ -1,0 +1,186 @@
+"""Load: N concurrent clients stream completions through the gateway for T seconds.
+
+    python -m bench.load --clients 16 --seconds 30            # starts the default pair
+    python -m bench.load --gateway 127.0.0.1:50051 --clients 4
+
+Each client sends one request after another (held-out prompts, in turn) until T has
+passed, then finishes the request it has in flight. Reported (stdout, and --json):
+completed requests/s and tokens/s over the whole run, time to first token and
+inter-token latency (p50, p99), and errors by status code. Inter-token latency is per
+token: a message bringing n tokens g seconds after the previous one counts n gaps of g/n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+import numpy as np
+
+from specdec import defaults
+from specdec.client import connect
+from specdec.launcher import Stack, StackConfig, free_port
+from specdec.v1 import common_pb2, generation_pb2
+
+PROMPTS = defaults.MODELS_DIR / "heldout_prompts.json"
+PROGRESS_S = 5.0  # a progress line this often
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    gateway: str  # address of a running gateway
+    clients: int
+    seconds: float
+    max_new_tokens: int
+    speculation: bool
+    prompts: list[str]
+
+
+@dataclass
+class Tally:
+    """What the clients measured, merged under a lock."""
+
+    requests: int = 0
+    tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None:
+    ttft, gaps, tokens = None, [], 0
+    start = last = time.perf_counter()
+    try:
+        for message in stub.Generate(req, timeout=600):
+            now = time.perf_counter()
+            n = len(message.token_ids)
+            if n and ttft is None:
+                ttft = now - start
+            elif n:
+                gaps += [(now - last) / n] * n
+            if n:
+                last = now
+            tokens += n
+    except grpc.RpcError as err:
+        with tally.lock:
+            tally.errors[err.code().name] += 1
+        return
+    with tally.lock:
+        tally.requests += 1
+        tally.tokens += tokens
+        if ttft is not None:
+            tally.ttft_s.append(ttft)
+        tally.itl_s += gaps
+
+
+def run_load(config: LoadConfig, progress: TextIO = sys.stderr) -> dict:
+    tally = Tally()
+    end = time.monotonic() + config.seconds
+    mode = common_pb2.SPECULATION_MODE_ON if config.speculation else common_pb2.SPECULATION_MODE_OFF
+
+    def client(index: int) -> None:
+        channel, stub = connect(config.gateway)
+        with channel:
+            i = index
+            while time.monotonic() < end:
+                req = generation_pb2.GenerateRequest(
+                    text=config.prompts[i % len(config.prompts)], max_new_tokens=config.max_new_tokens
+                )
+                req.speculation.mode = mode
+                one_request(stub, req, tally)
+                i += config.clients
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(config.clients)]
+    for thread in threads:
+        thread.start()
+    next_report = started + PROGRESS_S
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(timeout=max(0.0, next_report - time.monotonic()))
+            if time.monotonic() >= next_report:
+                next_report += PROGRESS_S
+                with tally.lock:
+                    done, tokens, errors = tally.requests, tally.tokens, sum(tally.errors.values())
+                print(f"  {time.monotonic() - started:5.1f} s: {done} requests, {tokens} tokens, {errors} errors", file=progress, flush=True)
+    wall = time.monotonic() - started
+    return report(config, tally, wall)
+
+
+def _percentiles_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p99": 0.0}
+    p50, p99 = np.percentile(np.array(values) * 1e3, [50, 99])
+    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3)}
+
+
+def report(config: LoadConfig, tally: Tally, wall_s: float) -> dict:
+    settings = {k: v for k, v in asdict(config).items() if k != "prompts"}
+    return {
+        **settings,
+        "wall_s": round(wall_s, 3),
+        "requests": tally.requests,
+        "tokens": tally.tokens,
+        "errors": dict(tally.errors),
+        "requests_per_s": round(tally.requests / wall_s, 3),
+        "tokens_per_s": round(tally.tokens / wall_s, 1),
+        "ttft_ms": _percentiles_ms(tally.ttft_s),
+        "itl_ms": _percentiles_ms(tally.itl_s),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gateway", default="", help="a running gateway; default: start the services on --target/--draft")
+    parser.add_argument("--target", default=defaults.DEFAULT_TARGET, help="target model when starting the services")
+    parser.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model when starting the services")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients; several values run one after another")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long each run starts new requests")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--speculation", choices=("on", "off"), default="on")
+    parser.add_argument("--json", default="", help="write the reports to this file")
+    args = parser.parse_args(argv)
+    prompts = [p["prompt"] for p in json.loads(PROMPTS.read_text())]
+
+    stack = None
+    gateway = args.gateway
+    if not gateway:
+        gateway = f"127.0.0.1:{free_port()}"
+        workdir = Path(tempfile.mkdtemp(prefix="specdec-load-"))
+        stack = Stack(StackConfig(target=args.target, draft=args.draft, workdir=workdir, gateway_address=gateway))
+        print(f"starting the services (logs in {workdir}) ...", file=sys.stderr, flush=True)
+        stack.start()
+    reports = []
+    try:
+        for clients in args.clients:
+            config = LoadConfig(gateway, clients, args.seconds, args.max_new_tokens, args.speculation == "on", prompts)
+            print(f"{clients} clients for {args.seconds:.0f} s:", file=sys.stderr, flush=True)
+            reports.append(run_load(config))
+            r = reports[-1]
+            print(
+                f"clients {clients:3d}  requests/s {r['requests_per_s']:7.2f}  tokens/s {r['tokens_per_s']:8.1f}  "
+                f"TTFT p50/p99 {r['ttft_ms']['p50']:.1f}/{r['ttft_ms']['p99']:.1f} ms  "
+                f"ITL p50/p99 {r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.2f} ms  errors {r['errors'] or 0}",
+                flush=True,
+            )
+    finally:
+        if stack is not None:
+            stack.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports, indent=1) + "\n")
+    return 1 if any(r["errors"] for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
