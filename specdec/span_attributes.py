@@ -92,6 +92,7 @@ def round_stats(stats: common_pb2.RoundStats, emitted: int, running_acceptance: 
         "specdec.round.bonus": bonus and stats.draft_tokens > 0,
         "specdec.round.correction": not bonus,
         "specdec.round.draft_time_us": stats.draft_time_us,
+        "specdec.round.draft_compute_us": stats.draft_compute_us,
         "specdec.round.verify_time_us": stats.verify_time_us,
         "specdec.acceptance_rate.running": running_acceptance,
     }

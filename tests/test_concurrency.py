@@ -15,12 +15,13 @@ import grpc
 import pytest
 
 from specdec.client import connect
-from tests.helpers import open_sessions, request, rpc_error, run, verify_info, wait_for
+from tests.helpers import gateway_info, open_sessions, request, rpc_error, run, verify_info, wait_for
 
 # Patient draft deadlines (10 s): a slow draft call is cut by the request's deadline only.
 PATIENT = {"verify": ["--draft-deadline-min-ms", "10000", "--draft-open-timeout-ms", "10000"]}
 PROMPTS = [f"def handler_{i}(request, *args):  # {'xyz'[i % 3] * (i + 1)}" for i in range(16)]
 ZERO = {"gateway": 0, "verify": 0, "draft": 0}
+LONG_PROMPT = "The quick brown fox"  # the toy target's greedy output for it has no EOS for 480 tokens
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,9 @@ import sys, time, grpc
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers import SMALL_WINDOW
 channel = grpc.insecure_channel(sys.argv[1], options=SMALL_WINDOW)
-call = generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(text=sys.argv[2], max_new_tokens=400))
+request = generation_pb2.GenerateRequest(text=sys.argv[2], max_new_tokens=480)
+request.speculation.num_draft_tokens = 1  # many short rounds: the stream is long
+call = generation_pb2_grpc.GenerationStub(channel).Generate(request)
 next(call)
 print("reading no more", flush=True)
 time.sleep(120)
@@ -78,18 +81,30 @@ time.sleep(120)
 
 
 def test_a_client_process_killed_mid_stream_leaves_no_session_anywhere(stack):
+    """The client dies while the verify service waits on a stalled draft (round deadline
+    10 s): its sessions are freed within a second anyway, the wait on the draft included."""
     client = subprocess.Popen(
-        [sys.executable, "-c", HANGING_CLIENT, stack.config.gateway_address, PROMPTS[2]], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HANGING_CLIENT, stack.config.gateway_address, LONG_PROMPT], stdout=subprocess.PIPE, text=True
     )
     try:
         assert client.stdout.readline().strip() == "reading no more"
-        assert open_sessions(stack)["gateway"] == 1
-    finally:
+        stack.signal("draft", signal.SIGSTOP)  # no round can finish now: the stream stays in flight
+        assert gateway_info(stack).active_streams == 1 and verify_info(stack).active_sessions == 1
         client.kill()
         client.wait()
-    killed = time.monotonic()
-    wait_for(lambda: open_sessions(stack) == ZERO, "every service to free its sessions", timeout_s=3)
-    assert time.monotonic() - killed < 1.0
+        killed = time.monotonic()
+        wait_for(
+            lambda: gateway_info(stack).active_streams == 0 and verify_info(stack).active_sessions == 0,
+            "the gateway and the verify service to free the session",
+            timeout_s=3,
+        )
+        assert time.monotonic() - killed < 1.0
+    finally:
+        client.kill()
+        stack.signal("draft", signal.SIGCONT)
+    wait_for(lambda: open_sessions(stack) == ZERO, "the draft to close its session too", timeout_s=3)
+    assert "paired with the draft" in stack.log_path("verify").read_text()
+    assert all(m.speculation.speculating for m in run(stack, request(PROMPTS[3], max_new_tokens=16)).messages)
 
 
 def test_a_client_deadline_reaches_the_verify_service_and_its_draft_calls(stack):

@@ -118,6 +118,7 @@ def test_one_trace_across_the_three_services(traced, receiver, toy):
         assert a["specdec.round.draft_tokens"] == stats.draft_tokens
         assert a["specdec.round.accepted_tokens"] == stats.accepted_tokens
         assert a["specdec.round.draft_time_us"] == stats.draft_time_us
+        assert a["specdec.round.draft_compute_us"] == stats.draft_compute_us
         assert a["specdec.round.verify_time_us"] == stats.verify_time_us
         bonus = stats.closing == common_pb2.CLOSING_TOKEN_BONUS
         assert a["specdec.round.bonus"] == (bonus and stats.draft_tokens > 0)

@@ -117,6 +117,12 @@ class Stream:
     context: grpc.ServicerContext
     sending_since: float | None = None  # monotonic time the message now being sent was handed to gRPC
     expired: bool = False
+    draft: DraftSession | None = None  # its draft session, to interrupt when the call ends
+
+    def ended(self) -> None:
+        """The call ended (any way): stop waiting on the draft."""
+        if self.draft is not None:
+            self.draft.interrupt()
 
 
 class Decoder:
@@ -212,14 +218,14 @@ class Decoder:
         DeadlineExceeded (while queued), Unavailable (shutdown)."""
         span = self._tracer.start_span(attrs.DECODE, context=parent, kind=trace.SpanKind.SERVER)
         ctx = trace.set_span_in_context(span)
+        stream = Stream(context)
         done = threading.Event()  # set when the call ends for any reason: wakes a queued request
-        context.add_callback(lambda: (done.set(), self.admission.wake()))
+        context.add_callback(lambda: (done.set(), self.admission.wake(), stream.ended()))
         timeout = remaining_timeout(context)
         deadline = None if timeout is None else time.monotonic() + timeout
         draft: DraftSession | None = None
         final = None
         sid = ""
-        stream = Stream(context)
         admitted = False
         try:
             plan = self.plan(request)
@@ -234,6 +240,9 @@ class Decoder:
                 self.totals.requests += 1
                 self._streams[sid] = stream
             draft, speculation = self._open_draft(sid, plan, ctx, deadline)
+            stream.draft = draft
+            if done.is_set() and draft is not None:  # ended while the session was being opened
+                draft.interrupt()
             span.set_attributes(attrs.speculation(speculation))
             if self._draft is not None and plan.speculate:
                 span.set_attributes(attrs.pairing(self._draft.pairing))
@@ -341,10 +350,10 @@ class Decoder:
         remaining = plan.max_new_tokens - usage.completion_tokens
         # Never propose past the last position the request may emit.
         k = min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
-        proposal, draft_seconds = NO_DRAFT, 0.0
+        proposal, draft_seconds, draft_compute = NO_DRAFT, 0.0, 0.0
         if k > 0:
             try:
-                proposal, draft_seconds = draft.propose(k, inject(ctx))
+                proposal, draft_seconds, draft_compute = draft.propose(k, inject(ctx))
             except DraftLost as lost:
                 speculation = target_only(lost.reason, str(lost))
                 if lost.unpairs:
@@ -369,6 +378,7 @@ class Decoder:
             ),
             draft_time_us=int(draft_seconds * 1e6),
             verify_time_us=int(verified.seconds * 1e6),
+            draft_compute_us=int(draft_compute * 1e6),
         )
         usage.add(stats, len(tokens))
         with self._lock:

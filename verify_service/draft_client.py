@@ -22,9 +22,9 @@ from verify_service.verifier import DraftProposal
 RETRY_S = 1.0
 
 
-# Draft answers about one session only (it expired, or the draft is at capacity): the
-# pairing stands and other requests keep speculating.
-SESSION_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# Answers about one session only (it expired, the draft is at capacity, or this request
+# cancelled its own call): the pairing stands and other requests keep speculating.
+SESSION_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 
 
 class DraftLost(Exception):
@@ -225,30 +225,27 @@ class DraftSession:
         self.session_id = session_id
         self._deadline = deadline
         self.opening: grpc.Future | None = None  # the OpenSession call, until its first proposal
+        self._proposing: grpc.Future | None = None  # the Propose call in flight
         self._accepted = 0
         self._appended: list[int] = []
         self._closed = False
 
-    def propose(self, num_tokens: int, metadata: Metadata) -> tuple[DraftProposal, float]:
-        """The next num_tokens draft tokens and the seconds waited for them; raises DraftLost.
+    def propose(self, num_tokens: int, metadata: Metadata) -> tuple[DraftProposal, float, float]:
+        """The next num_tokens draft tokens, the seconds waited for them and the draft's own
+        compute seconds; raises DraftLost.
         metadata carries the round's trace context (the draft's span is the round's child)."""
         start = time.perf_counter()
         if self.opening is not None:
-            try:
-                self.opening.result()
-            except grpc.RpcError as error:
-                raise DraftLost.from_rpc(error, "prefill") from None
+            self._wait(self.opening, "prefill")
             self.opening = None
         request = draft_pb2.ProposeRequest(
             session_id=self.session_id, accepted=self._accepted, appended_ids=self._appended, num_tokens=num_tokens
         )
         proposing = time.perf_counter()
-        try:
-            response = self._stub.Propose(
-                request, timeout=self.within_deadline(self._client.round_deadline_s(num_tokens)), metadata=metadata
-            )
-        except grpc.RpcError as error:
-            raise DraftLost.from_rpc(error, "proposal") from None
+        timeout = self.within_deadline(self._client.round_deadline_s(num_tokens))
+        self._proposing = self._stub.Propose.future(request, timeout=timeout, metadata=metadata)
+        response = self._wait(self._proposing, "proposal")
+        self._proposing = None
         end = time.perf_counter()
         self._client.observe(num_tokens, end - proposing)
         tokens = response.tokens
@@ -257,7 +254,24 @@ class DraftSession:
             support_ids=[list(t.support_ids) for t in tokens],
             support_probs=[list(t.support_probs) for t in tokens],
         )
-        return proposal, end - start
+        return proposal, end - start, response.compute_time_us / 1e6
+
+    @staticmethod
+    def _wait(call: grpc.Future, during: str) -> object:
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, f"draft {during} cancelled", unpairs=False) from None
+        except grpc.RpcError as error:
+            raise DraftLost.from_rpc(error, during) from None
+
+    def interrupt(self) -> None:
+        """Cancels the draft call this session waits on, if any: its request has ended
+        (cancelled, past its deadline), and must not wait out a stalled draft's deadline.
+        Called from another thread."""
+        for call in (self.opening, self._proposing):
+            if call is not None:
+                call.cancel()
 
     def within_deadline(self, timeout_s: float) -> float:
         """timeout_s, cut to what is left of the request's deadline."""

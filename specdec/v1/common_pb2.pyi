@@ -70,20 +70,22 @@ class Speculation(_message.Message):
     def __init__(self, speculating: _Optional[bool] = ..., reason: _Optional[_Union[TargetOnlyReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us")
+    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_US_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     index: int
     draft_tokens: int
     accepted_tokens: int
     closing: ClosingToken
     draft_time_us: int
     verify_time_us: int
-    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ...) -> None: ...
+    draft_compute_us: int
+    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "rejections", "acceptance_rate", "alpha_hat")
