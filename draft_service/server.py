@@ -47,7 +47,10 @@ class DraftConfig:
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
     max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
     session_idle_s: float = option(60.0, "close a session that gets no proposal call for this many seconds; 0: never")
-    threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
+    threads: int = option(
+        1, "torch CPU threads (0: torch's default); one, because a draft step is too small to split and a second "
+        "thread takes a core from the target's forward"
+    )
     workers: int = option(32, "gRPC handler threads")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish after SIGTERM")
     metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")

@@ -201,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per streamed message, then a summary")
     gen.set_defaults(func=cmd_generate)
 
+    sub.add_parser(
+        "bench",
+        add_help=False,  # its own options, see `specdec bench --help`
+        help="speculation against target-only and against transformers' assisted generation, side by side",
+    ).set_defaults(func=None)
+
     doc = sub.add_parser(
         "doctor", help="check the deployment guide's five points against live services (exit 1 when one fails)"
     )
@@ -214,7 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from bench.benchmark import main as bench_main  # loads transformers' generate only when asked
+
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from specdec.runtime import CausalLM
 
 
@@ -55,7 +57,11 @@ def measure_costs(
     ks: Sequence[int] = (4, 8),
     repeats: int = 60,
     draft_steps: int = 4,
+    threads: tuple[int, int] | None = None,
 ) -> Costs:
+    """threads: (target, draft) torch threads, as the two services run them; None keeps
+    this process's setting for both."""
+    target_threads, draft_threads = threads or (torch.get_num_threads(),) * 2
     prefix = [(i * 7919) % target.vocab_size for i in range(context)]
     target_cache, draft_cache = target.new_cache(), draft.new_cache()
     target.forward(target_cache, prefix)
@@ -63,8 +69,11 @@ def measure_costs(
     steps, drafts, ratios_c = [], [], []
     ratios_v: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(repeats):
+        torch.set_num_threads(target_threads)
         step = _timed(target, target_cache, [1])
+        torch.set_num_threads(draft_threads)
         d = _proposal(draft, draft_cache, draft_steps) / draft_steps
+        torch.set_num_threads(target_threads)
         steps.append(step)
         drafts.append(d)
         ratios_c.append(d / step)

@@ -1,0 +1,256 @@
+"""`specdec bench`: speculation through our services against target-only decoding through
+them, and against transformers' assisted generation on the same pair, measured side by
+side in one run.
+
+Columns (all on the same prompts, lengths and temperatures, interleaved job by job so
+that machine noise hits them alike):
+  target-only      our services, speculation off
+  k=2, k=4, ...    our services, speculation on with that many draft tokens per round
+  generate         transformers' plain generate on the target (the peer's baseline)
+  assisted-default transformers' assisted generation, its default schedule
+  assisted-constant  the same with a constant num_assistant_tokens = our best k
+
+Greedy speculative completions must equal the target-only ones; a divergence that is not
+an fp32 near-tie (DESIGN.md) fails the benchmark, naming the position and the gap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from transformers import AutoTokenizer
+
+from bench import report
+from bench.report import TARGET_ONLY
+from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN, Job, Peer, Run, ours_run, peer_run
+from specdec import defaults
+from specdec.costs import measure_costs
+from specdec.launcher import Stack, StackConfig, free_port
+from specdec.lossless import first_divergence
+from specdec.runtime import CausalLM, ModelSpec
+
+PROMPT_MAX_TOKENS = 96  # held-out prompts are cut to this many tokens
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str = defaults.DEFAULT_TARGET
+    draft: str = defaults.DEFAULT_DRAFT
+    prompts: int = 6  # held-out prompts used (the first ones of models/heldout_prompts.json)
+    lengths: tuple[int, ...] = (32, 256, 1024)
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    ks: tuple[int, ...] = (2, 4, 6, 8)
+    repeats: int = 1
+    verify_threads: int = 2  # torch threads of the verify service
+    draft_threads: int = 1  # torch threads of the draft service (its default)
+    peer_threads: int = 2  # torch threads of transformers' generate in this process
+    calibration_length: int = 256  # output length of the runs that choose our best k
+    out: Path = Path("bench/results/cpu")
+
+    @property
+    def columns(self) -> list[str]:
+        return [TARGET_ONLY, *(f"k={k}" for k in self.ks), PEER_PLAIN, PEER_DEFAULT, PEER_CONSTANT]
+
+
+QUICK = dict(prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128)
+
+
+@dataclass
+class Record:
+    """One run of one column on one job."""
+
+    column: str
+    temperature: float
+    length: int
+    prompt: int
+    repeat: int
+    run: Run
+    k: int = 0
+
+
+@dataclass
+class Progress:
+    total: int
+    out: TextIO
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    last_print: float = 0.0
+
+    def tick(self, record: Record) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last_print >= 10 or self.done == self.total:
+            self.last_print = now
+            left = (now - self.started) / self.done * (self.total - self.done)
+            print(
+                f"  [{self.done}/{self.total}] {record.length} tokens, T={record.temperature}, {record.column}: "
+                f"{record.run.tokens_per_s:.1f} tokens/s (about {left / 60:.1f} min left)",
+                file=self.out,
+                flush=True,
+            )
+
+
+def held_out_prompts(config: BenchConfig) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    texts = [p["prompt"] for p in json.loads((defaults.MODELS_DIR / "heldout_prompts.json").read_text())]
+    return [tokenizer.encode(text)[:PROMPT_MAX_TOKENS] for text in texts[: config.prompts]]
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "device": "cpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None, log: TextIO = sys.stderr) -> dict:
+    """Runs every column on every job and returns the report (also written to config.out).
+    `programs` replaces a service's program (tests run a deliberately broken verifier)."""
+    torch.set_num_threads(config.peer_threads)
+    prompts = held_out_prompts(config)
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    stack_config = StackConfig(
+        target=config.target,
+        draft=config.draft,
+        workdir=workdir,
+        gateway_address=f"127.0.0.1:{free_port()}",
+        extra_args={"verify": ["--threads", str(config.verify_threads)], "draft": ["--threads", str(config.draft_threads)]},
+        programs=programs or {},
+    )
+    print(f"specdec bench: starting the services (logs in {workdir}) and loading the peer ...", file=log, flush=True)
+    with Stack(stack_config) as stack:
+        gateway = stack_config.gateway_address
+        peer = Peer.load(config.target, config.draft)
+        target = CausalLM.load(ModelSpec(config.target))
+        context = min(512, target.max_positions // 2)  # cached tokens behind each timed forward
+        draft = CausalLM.load(ModelSpec(config.draft))
+        threads = (config.verify_threads, config.draft_threads)
+        costs = measure_costs(target, draft, context=context, ks=config.ks, threads=threads)
+        torch.set_num_threads(config.peer_threads)
+        print(f"  costs: target step {costs.target_step_s * 1e3:.2f} ms, c = {costs.c:.3f}, v = {costs.v}", file=log, flush=True)
+
+        warm = Job(0, prompts[0], 8, 0.0, 0)
+        for column in config.columns:
+            _run_column(column, warm, gateway, peer, config.ks[0])  # one-off costs stay out of the figures
+        best_k = _calibrate(config, prompts[0], gateway, log)
+
+        jobs = [
+            (repeat, Job(p, ids, length, temperature, seed=1000 * repeat + p))
+            for repeat in range(config.repeats)
+            for p, ids in enumerate(prompts)
+            for temperature in config.temperatures
+            for length in config.lengths
+        ]
+        progress = Progress(len(jobs) * len(config.columns), log)
+        records: list[Record] = []
+        failures: list[dict] = []
+        for repeat, job in jobs:
+            reference: Run | None = None
+            for column in config.columns:
+                k = best_k[job.temperature] if column == PEER_CONSTANT else int(column[2:]) if column.startswith("k=") else 0
+                run = _run_column(column, job, gateway, peer, k)
+                record = Record(column, job.temperature, job.length, job.prompt_index, repeat, run, k)
+                records.append(record)
+                progress.tick(record)
+                if column == TARGET_ONLY:
+                    reference = run
+                elif column.startswith("k=") and job.temperature == 0.0:
+                    failure = _check_greedy(target, job, reference, record)
+                    if failure:
+                        failures.append(failure)
+                        print(f"  GREEDY MISMATCH: {failure}", file=log, flush=True)
+        memory = {s: round(peak_rss_mib(p.pid), 1) for s, p in stack.processes.items()}
+    memory["bench (peer)"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+    result = report.build(config, records, costs, best_k, memory, failures, machine())
+    report.write(result, config.out)
+    return result
+
+
+def _run_column(column: str, job: Job, gateway: str, peer: Peer, k: int) -> Run:
+    if column == TARGET_ONLY:
+        return ours_run(gateway, job, 0)
+    if column.startswith("k="):
+        return ours_run(gateway, job, int(column[2:]))
+    return peer_run(peer, job, column, k)
+
+
+def _calibrate(config: BenchConfig, prompt: list[int], gateway: str, log: TextIO) -> dict[float, int]:
+    """Our best k per temperature, from one run per k on the first prompt; the constant-k
+    peer column uses it."""
+    best: dict[float, int] = {}
+    for temperature in config.temperatures:
+        job = Job(0, prompt, config.calibration_length, temperature, seed=0)
+        speeds = {k: ours_run(gateway, job, k).tokens_per_s for k in config.ks}
+        best[temperature] = max(speeds, key=speeds.get)
+        print(f"  calibration at T={temperature}: tokens/s by k {speeds}, best k = {best[temperature]}", file=log, flush=True)
+    return best
+
+
+def _check_greedy(target: CausalLM, job: Job, reference: Run, record: Record) -> dict | None:
+    divergence = first_divergence(target, job.prompt_ids, reference.token_ids, record.run.token_ids)
+    if divergence is None or divergence.near_tie:
+        return None
+    return {
+        "column": record.column,
+        "prompt": job.prompt_index,
+        "length": job.length,
+        "position": divergence.position,
+        "expected": divergence.expected,
+        "got": divergence.got,
+        "top2_logit_gap": divergence.top2_gap,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 prompts, lengths 32 and 256, k in {2, 4} (a few minutes)")
+    parser.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    parser.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
+    parser.add_argument("--prompts", type=int, help="held-out prompts to use")
+    parser.add_argument("--lengths", type=int, nargs="+", help="output lengths")
+    parser.add_argument("--ks", type=int, nargs="+", help="draft tokens per round")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--verify-threads", type=int, help="torch threads of the verify service (2)")
+    parser.add_argument("--draft-threads", type=int, help="torch threads of the draft service (1)")
+    parser.add_argument("--peer-threads", type=int, help="torch threads of transformers' generate (2)")
+    parser.add_argument("--out", help="folder for bench.json, bench.md and speedup.png")
+    args = parser.parse_args(argv)
+    fields = {k: v for k, v in vars(args).items() if k not in ("quick",) and v is not None}
+    for name in ("lengths", "ks"):
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    if "out" in fields:
+        fields["out"] = Path(fields["out"])
+    config = BenchConfig(**{**(QUICK if args.quick else {}), **fields})
+    result = run_bench(config)
+    print(report.markdown(result))
+    if result["greedy_failures"]:
+        print(f"specdec bench: FAILED: {len(result['greedy_failures'])} greedy completions differ from target-only", file=sys.stderr)
+        return 1
+    return 0
+

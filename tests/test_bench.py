@@ -1,0 +1,63 @@
+"""`specdec bench` end to end on tiny models: the report's structure, and the greedy
+equality check, which passes on the real services and fails on a corrupted verifier."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench.benchmark import BenchConfig, run_bench
+from bench.report import TARGET_ONLY
+
+TEMPERATURES = (0.0, 0.8)
+LENGTHS = (8, 24)
+
+
+def tiny_config(toy, out) -> BenchConfig:
+    return BenchConfig(
+        target=str(toy.target), draft=str(toy.close), prompts=2, lengths=LENGTHS, temperatures=TEMPERATURES,
+        ks=(2, 3), repeats=1, verify_threads=1, peer_threads=1, calibration_length=16, out=out,
+    )  # fmt: skip
+
+
+def test_quick_bench_reports_every_cell_and_passes_the_greedy_check(toy, tmp_path):
+    config = tiny_config(toy, tmp_path / "out")
+    result = run_bench(config)
+
+    assert json.loads(json.dumps(result)) == json.loads((config.out / "bench.json").read_text())
+    assert (config.out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (config.out / "bench.md").read_text()
+    assert "| T | tokens | target-only | k=2 | k=3 | generate | assisted-default | assisted-constant |" in table
+    assert result["greedy_failures"] == [] and "all speculative completions equal target-only" in table
+
+    cells = {(c["temperature"], c["length"], c["column"]): c for c in result["cells"]}
+    assert set(cells) == {(t, n, col) for t in TEMPERATURES for n in LENGTHS for col in config.columns}
+    for (t, n, column), cell in cells.items():
+        assert cell["runs"] == 2 and cell["tokens_per_s"] > 0
+        if column == TARGET_ONLY:
+            assert cell["speedup"] == 1.0 and cell["acceptance_rate"] == 0.0
+        if column.startswith("k="):
+            assert 0 <= cell["acceptance_rate"] <= 1 and 0 <= cell["alpha_hat"] <= 1
+            assert 1 <= cell["tokens_per_round"] <= cell["k"] + 1
+            split = cell["round_ms"]
+            assert split["draft"] > 0 and split["target"] > 0
+            assert split["total"] == pytest.approx(split["draft"] + split["target"] + split["other"], abs=0.01)
+            assert cell["bound"] > 0 and cell["of_bound"] == pytest.approx(cell["speedup"] / cell["bound"], abs=0.01)
+    assert set(result["best_k"].values()) <= {2, 3}
+    assert set(result["peak_memory_mib"]) == {"draft", "verify", "gateway", "bench (peer)"}
+    assert all(v > 10 for v in result["peak_memory_mib"].values())
+    assert 0 < result["costs"]["c"] and set(result["costs"]["v"]) == {"2", "3"}
+    assert len(result["goals"]["per_cell"]) == len(TEMPERATURES) * len(LENGTHS)
+
+
+def test_a_corrupted_verify_step_fails_the_greedy_check(toy, tmp_path):
+    config = tiny_config(toy, tmp_path / "out")
+    result = run_bench(config, programs={"verify": [sys.executable, "tests/corrupt_verify.py"]})
+    failures = result["greedy_failures"]
+    assert failures, "the corrupted verifier went unnoticed"
+    for failure in failures:
+        assert failure["expected"] != failure["got"] and failure["top2_logit_gap"] > 1e-4
+        assert 0 <= failure["position"] < failure["length"]
+    assert "MISMATCHES" in (config.out / "bench.md").read_text()
