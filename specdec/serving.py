@@ -58,9 +58,19 @@ class Drain:
     def __init__(self, service: str) -> None:
         self._service = service
         self._end: float | None = None  # monotonic time after which streams end themselves
+        self._at_end: list[Callable[[], None]] = []
+
+    def at_end(self, callback: Callable[[], None]) -> None:
+        """Runs callback when streams must end (to wake streams that wait on something)."""
+        self._at_end.append(callback)
 
     def begin(self, grace_s: float) -> None:
-        self._end = time.monotonic() + max(0.0, grace_s - min(0.5, grace_s / 2))
+        delay = max(0.0, grace_s - min(0.5, grace_s / 2))
+        self._end = time.monotonic() + delay
+        for callback in self._at_end:
+            timer = threading.Timer(delay, callback)
+            timer.daemon = True
+            timer.start()
 
     def check(self) -> None:
         """Raises Unavailable once a draining service's streams must end."""

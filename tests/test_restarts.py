@@ -120,20 +120,27 @@ def test_sigterm_to_the_gateway_lets_the_stream_finish_and_exits_zero(stack, ref
     restart(stack, "gateway")
 
 
-def test_sigterm_to_the_verify_service_ends_a_long_stream_clearly_and_exits_zero(stack, reference):
-    """The grace period (0.1 s) is shorter than the stream: it ends with UNAVAILABLE that
-    says why, after an exact prefix of the completion."""
+def test_sigterm_to_the_verify_service_ends_a_stuck_stream_clearly_and_exits_zero(stack, reference):
+    """The stream cannot finish within the grace period (0.1 s): its draft is stalled with
+    a 10 s round deadline. It ends with UNAVAILABLE that says why, after an exact prefix
+    of the completion, and the service exits 0 well before the draft's deadline."""
     received: list[int] = []
 
-    def stop_verify(message) -> None:
+    def stall_then_stop(message) -> None:
         received.extend(message.token_ids)
         if len(received) == len(message.token_ids):
+            stack.signal("draft", signal.SIGSTOP)
             stack.signal("verify", signal.SIGTERM)
 
-    with pytest.raises(grpc.RpcError) as ended:
-        run(stack, request(PROMPT, max_new_tokens=N, k=1), on_message=stop_verify)
+    started = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as ended:
+            run(stack, request(PROMPT, max_new_tokens=N, k=1), on_message=stall_then_stop)
+        assert stack.processes["verify"].wait(10) == 0
+    finally:
+        stack.signal("draft", signal.SIGCONT)
+    assert time.monotonic() - started < 5
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in ended.value.details()
     assert 0 < len(received) < N and received == reference[: len(received)]
-    assert stack.processes["verify"].wait(10) == 0
     restart(stack, "verify")

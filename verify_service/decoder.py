@@ -151,6 +151,7 @@ class Decoder:
         self._finished: deque[Finished] = deque(maxlen=RECENT_CAPACITY)
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
+        drain.at_end(self._interrupt_all)
 
     @property
     def session_kv_budget_bytes(self) -> int:
@@ -188,6 +189,14 @@ class Decoder:
         for sid, stream in idle:
             self._log.warning("session %s expired: its caller took no message for %.1f s", sid, self.limits.idle_s)
             stream.context.cancel()
+
+    def _interrupt_all(self) -> None:
+        """Shutdown: streams still waiting on the draft stop waiting, so that each reaches
+        its next message and ends with the drain's UNAVAILABLE."""
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.ended()
 
     def plan(self, request: verify_pb2.DecodeRequest) -> Plan:
         """Validates a request (InvalidArgument naming the field) and resolves defaults."""
