@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from specdec.client import connect, generate
 from specdec.v1 import common_pb2, generation_pb2
-from tests.helpers import request, run
+from tests.helpers import request, rpc_error, run
 
 EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 GENERATE = "/specdec.v1.Generation/Generate"
@@ -119,21 +119,13 @@ def test_lone_surrogates_on_the_wire_are_refused_and_nothing_breaks(stack, chann
 
 
 def test_a_message_over_the_size_limit_is_refused_by_grpc(stack):
-    err = _error(stack, request("x" * (5 * 2**20), max_new_tokens=4))
+    err = rpc_error(stack, request("x" * (5 * 2**20), max_new_tokens=4))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     huge_stop_list = request("def f():", max_new_tokens=4)
     huge_stop_list.stop.extend(["stop"] * 100_000)
-    err = _error(stack, huge_stop_list)
+    err = rpc_error(stack, huge_stop_list)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop: at most 16" in err.details()
     _still_serving(stack)
-
-
-def _error(stack, req) -> grpc.RpcError:
-    try:
-        run(stack, req)
-    except grpc.RpcError as err:
-        return err
-    raise AssertionError("the request succeeded")
 
 
 def _still_serving(stack) -> None:
