@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.launcher import Stack
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, pairing_pb2
 from tests.helpers import request, rpc_error, run, verify_info, wait_for
 
 PROMPT = "def speculative_decode(prompt, draft, target, k=4):"
@@ -40,6 +40,8 @@ def reference(stack) -> list[int]:
 def restart(stack: Stack, service: str) -> None:
     stack.start_service(service)
     stack.wait_healthy(service, time.monotonic() + 60)
+    if service == "verify":  # later tests assert on speculating streams
+        wait_for(lambda: verify_info(stack).pairing.state == pairing_pb2.PAIRING_STATE_PAIRED, "the verify service to pair again")
 
 
 def gateway_health(stack: Stack) -> int:
@@ -125,9 +127,11 @@ def test_sigterm_to_the_verify_service_ends_a_stuck_stream_clearly_and_exits_zer
     a 10 s round deadline. It ends with UNAVAILABLE that says why, after an exact prefix
     of the completion, and the service exits 0 well before the draft's deadline."""
     received: list[int] = []
+    speculating: list[bool] = []
 
     def stall_then_stop(message) -> None:
         received.extend(message.token_ids)
+        speculating.append(message.speculation.speculating)
         if len(received) == len(message.token_ids):
             stack.signal("draft", signal.SIGSTOP)
             stack.signal("verify", signal.SIGTERM)
@@ -139,6 +143,7 @@ def test_sigterm_to_the_verify_service_ends_a_stuck_stream_clearly_and_exits_zer
         assert stack.processes["verify"].wait(10) == 0
     finally:
         stack.signal("draft", signal.SIGCONT)
+    assert speculating[0], "the stream must wait on the draft, or it may finish within the grace period"
     assert time.monotonic() - started < 5
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in ended.value.details()
