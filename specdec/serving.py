@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -99,7 +100,9 @@ class Service:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-        self._stop = threading.Event()
+        # Written by Python's C-level signal handler on whichever thread the signal lands.
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_writer.setblocking(False)
 
     def add(self, full_name: str, register: Callable[[grpc.Server], None]) -> None:
         """Registers a servicer (via its generated add_*_to_server) under its full name."""
@@ -108,11 +111,11 @@ class Service:
 
     def start(self) -> None:
         reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.server)
-        socket = unix_socket_path(self.listen)
-        if socket is not None:
-            socket.parent.mkdir(parents=True, exist_ok=True)
-            if socket.is_socket():
-                socket.unlink()  # left by a process that did not shut down cleanly
+        path = unix_socket_path(self.listen)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_socket():
+                path.unlink()  # left by a process that did not shut down cleanly
         self.server.add_insecure_port(self.listen)
         self.server.start()
         self.set_serving(True)
@@ -124,22 +127,26 @@ class Service:
             self.health.set(name, status)
 
     def wait_for_signal(self) -> None:
-        """Blocks until SIGTERM or SIGINT (or `request_stop`)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
-        self._stop.wait()
+        """Blocks until SIGTERM or SIGINT.
 
-    def request_stop(self) -> None:
-        self._stop.set()
+        The kernel may hand a process's signal to any of its threads (grpc's, torch's), and
+        then a main thread asleep on a lock never runs the Python handler; it does wake
+        from the wakeup fd, which the C-level handler writes on every thread."""
+        stop = {signal.SIGTERM, signal.SIGINT}
+        for sig in stop:
+            signal.signal(sig, lambda *_: None)  # the wakeup fd says which signal came
+        signal.set_wakeup_fd(self._wake_writer.fileno(), warn_on_full_buffer=False)
+        while not stop.intersection(self._wake_reader.recv(64)):
+            pass
 
     def stop(self) -> None:
         """Stops accepting calls and gives in-flight calls the grace period to finish."""
         self.health.enter_graceful_shutdown()
         self.drain.begin(self.grace_s)
         self.server.stop(self.grace_s).wait()
-        socket = unix_socket_path(self.listen)
-        if socket is not None and socket.is_socket():
-            socket.unlink()
+        path = unix_socket_path(self.listen)
+        if path is not None and path.is_socket():
+            path.unlink()
 
 
 def remaining_timeout(context: grpc.ServicerContext) -> float | None:

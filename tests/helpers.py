@@ -82,18 +82,24 @@ SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0
 
 class HeldDecode:
     """A Decode stream straight to the verify service whose client reads one message and
-    then stops reading: it holds a session slot until `drain` reads the rest."""
+    then stops reading: it holds a session slot until `drain` reads the rest, and the
+    service cannot run more than the small window ahead of its reader.
+    num_draft_tokens = 0: speculation off."""
 
-    def __init__(self, stack: Stack, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> None:
+    def __init__(
+        self, stack: Stack, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, num_draft_tokens: int = 0
+    ) -> None:
         self._channel = grpc.insecure_channel(stack.config.verify_address, options=SMALL_WINDOW)
         req = verify_pb2.DecodeRequest(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new_tokens,
             sampling=common_pb2.SamplingParams(top_p=1.0),
-            speculation=common_pb2.SPECULATION_MODE_OFF,
+            speculation=common_pb2.SPECULATION_MODE_ON if num_draft_tokens else common_pb2.SPECULATION_MODE_OFF,
+            num_draft_tokens=num_draft_tokens,
         )
         self.call = verify_pb2_grpc.VerifyStub(self._channel).Decode(req, timeout=timeout)
-        self.token_ids = list(next(self.call).token_ids)
+        self.first = next(self.call)
+        self.token_ids = list(self.first.token_ids)
 
     def drain(self) -> list[int]:
         """Reads the stream to its end (raising its error, if it ended in one)."""

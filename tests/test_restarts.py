@@ -10,10 +10,11 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer
 
 from specdec.launcher import Stack
 from specdec.v1 import common_pb2, pairing_pb2
-from tests.helpers import request, rpc_error, run, verify_info, wait_for
+from tests.helpers import HeldDecode, request, rpc_error, run, verify_info, wait_for
 
 PROMPT = "def speculative_decode(prompt, draft, target, k=4):"
 N = 240
@@ -122,30 +123,25 @@ def test_sigterm_to_the_gateway_lets_the_stream_finish_and_exits_zero(stack, ref
     restart(stack, "gateway")
 
 
-def test_sigterm_to_the_verify_service_ends_a_stuck_stream_clearly_and_exits_zero(stack, reference):
+def test_sigterm_to_the_verify_service_ends_a_stuck_stream_clearly_and_exits_zero(stack, reference, toy):
     """The stream cannot finish within the grace period (0.1 s): its draft is stalled with
-    a 10 s round deadline. It ends with UNAVAILABLE that says why, after an exact prefix
+    a 10 s round deadline, and its reader's small window keeps the service from running
+    ahead before the stall. It ends with UNAVAILABLE that says why, after an exact prefix
     of the completion, and the service exits 0 well before the draft's deadline."""
-    received: list[int] = []
-    speculating: list[bool] = []
-
-    def stall_then_stop(message) -> None:
-        received.extend(message.token_ids)
-        speculating.append(message.speculation.speculating)
-        if len(received) == len(message.token_ids):
-            stack.signal("draft", signal.SIGSTOP)
-            stack.signal("verify", signal.SIGTERM)
-
+    prompt_ids = AutoTokenizer.from_pretrained(toy.target).encode(PROMPT)
+    held = HeldDecode(stack, prompt_ids, N, num_draft_tokens=1)
+    assert held.first.speculation.speculating
     started = time.monotonic()
+    stack.signal("draft", signal.SIGSTOP)
+    stack.signal("verify", signal.SIGTERM)
     try:
         with pytest.raises(grpc.RpcError) as ended:
-            run(stack, request(PROMPT, max_new_tokens=N, k=1), on_message=stall_then_stop)
+            held.drain()
         assert stack.processes["verify"].wait(10) == 0
     finally:
         stack.signal("draft", signal.SIGCONT)
-    assert speculating[0], "the stream must wait on the draft, or it may finish within the grace period"
     assert time.monotonic() - started < 5
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in ended.value.details()
-    assert 0 < len(received) < N and received == reference[: len(received)]
+    assert 0 < len(held.token_ids) < N and held.token_ids == reference[: len(held.token_ids)]
     restart(stack, "verify")

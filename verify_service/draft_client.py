@@ -229,12 +229,15 @@ class DraftSession:
         self._accepted = 0
         self._appended: list[int] = []
         self._closed = False
+        self._interrupted = False  # sticky: an interrupt between two calls still stops the next
 
     def propose(self, num_tokens: int, metadata: Metadata) -> tuple[DraftProposal, float, float]:
         """The next num_tokens draft tokens, the seconds waited for them and the draft's own
         compute seconds; raises DraftLost.
         metadata carries the round's trace context (the draft's span is the round's child)."""
         start = time.perf_counter()
+        if self._interrupted:
+            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal cancelled", unpairs=False)
         if self.opening is not None:
             self._wait(self.opening, "prefill")
             self.opening = None
@@ -244,6 +247,8 @@ class DraftSession:
         proposing = time.perf_counter()
         timeout = self.within_deadline(self._client.round_deadline_s(num_tokens))
         self._proposing = self._stub.Propose.future(request, timeout=timeout, metadata=metadata)
+        if self._interrupted:  # it landed while this call was being made
+            self._proposing.cancel()
         response = self._wait(self._proposing, "proposal")
         self._proposing = None
         end = time.perf_counter()
@@ -269,6 +274,7 @@ class DraftSession:
         """Cancels the draft call this session waits on, if any: its request has ended
         (cancelled, past its deadline), and must not wait out a stalled draft's deadline.
         Called from another thread."""
+        self._interrupted = True
         for call in (self.opening, self._proposing):
             if call is not None:
                 call.cancel()
