@@ -46,7 +46,10 @@ class Run:
     steady_rounds: int = 0
     steady_s: float = 0.0  # client-side wall time from the first message to the last
     draft_compute_s: float = 0.0  # the draft model's own time for its proposals
-    draft_wait_s: float = 0.0  # what the verify service waited for them (RPC included)
+    draft_wait_s: float = 0.0  # what the rounds waited for them (RPC included, the part hidden by asking early not)
+    # The draft's compute on the rounds' critical path: per round, its compute or, when the
+    # proposal was asked for early and arrived sooner, what the round waited.
+    draft_path_s: float = 0.0
     target_s: float = 0.0  # target forwards plus acceptance
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -75,6 +78,7 @@ def ours_run(gateway: str, job: Job, k: int) -> Run:
         run.steady_s = arrivals[-1] - arrivals[0]
         run.draft_compute_s = sum(m.round.draft_compute_us for m in steady) / 1e6
         run.draft_wait_s = sum(m.round.draft_time_us for m in steady) / 1e6
+        run.draft_path_s = sum(min(m.round.draft_time_us, m.round.draft_compute_us) for m in steady) / 1e6
         run.target_s = sum(m.round.verify_time_us for m in steady) / 1e6
     return run
 

@@ -8,11 +8,12 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from draft_service.drafter import Close, Drafter, Expire, Open, Propose
@@ -30,7 +31,7 @@ from specdec.sampling import SamplingParams
 from specdec import span_attributes as attrs
 from specdec.metrics import SpeculationMetrics, observe_peak_memory, observe_sessions, proposal_duration
 from specdec.serving import Service, setup_logging
-from specdec.telemetry import Telemetry, incoming, set_error
+from specdec.telemetry import Telemetry, from_traceparent, incoming, set_error
 from specdec.v1 import draft_pb2, draft_pb2_grpc, pairing_pb2
 
 SERVER = trace.SpanKind.SERVER
@@ -51,7 +52,9 @@ class DraftConfig:
         1, "torch CPU threads (0: torch's default); one, because a draft step is too small to split and a second "
         "thread takes a core from the target's forward"
     )
-    workers: int = option(32, "gRPC handler threads")
+    workers: int = option(
+        80, "gRPC handler threads: each open session's proposal stream holds one (see --max-sessions), short calls use the rest"
+    )
     grace_s: float = option(5.0, "seconds in-flight calls get to finish after SIGTERM")
     metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
 
@@ -113,17 +116,19 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
         step = Open(request.session_id, list(request.prompt_ids), params, seed, request.max_tokens)
         attributes = {"gen_ai.usage.input_tokens": len(request.prompt_ids)}
-        prefill_seconds, _ = self._traced(attrs.DRAFT_PREFILL, step, context, attributes)
+        prefill_seconds, _ = self._traced(attrs.DRAFT_PREFILL, step, incoming(context), context, attributes)
         return draft_pb2.OpenSessionResponse(prefill_time_us=int(prefill_seconds * 1e6))
 
-    def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext):
-        step = Propose(request.session_id, request.accepted, list(request.appended_ids), request.num_tokens)
-        attributes = {"specdec.draft.num_tokens": request.num_tokens, "specdec.draft.previous_accepted": request.accepted}
-        tokens, seconds = self._traced(attrs.DRAFT_PROPOSE, step, context, attributes)
-        # The verifier reports acceptance one proposal late: `accepted` is the previous one's.
-        self._metrics.speculated(request.num_tokens, request.accepted)
-        self._proposal_duration.record(seconds)
-        return draft_pb2.ProposeResponse(tokens=tokens, compute_time_us=int(seconds * 1e6))
+    def Propose(self, requests: Iterator[draft_pb2.ProposeRequest], context: grpc.ServicerContext):
+        for request in requests:
+            step = Propose(request.session_id, request.accepted, list(request.appended_ids), request.num_tokens)
+            attributes = {"specdec.draft.num_tokens": request.num_tokens, "specdec.draft.previous_accepted": request.accepted}
+            parent = from_traceparent(request.traceparent)
+            tokens, seconds = self._traced(attrs.DRAFT_PROPOSE, step, parent, context, attributes)
+            # The verifier reports acceptance one proposal late: `accepted` is the previous one's.
+            self._metrics.speculated(request.num_tokens, request.accepted)
+            self._proposal_duration.record(seconds)
+            yield draft_pb2.ProposeResponse(tokens=tokens, compute_time_us=int(seconds * 1e6))
 
     def CloseSession(self, request: draft_pb2.CloseSessionRequest, context: grpc.ServicerContext):
         return draft_pb2.CloseSessionResponse(existed=self._run(Close(request.session_id), context))
@@ -154,13 +159,18 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             context.abort(err.code, str(err))
 
     def _traced(
-        self, name: str, step: object, context: grpc.ServicerContext, attributes: dict[str, int]
+        self,
+        name: str,
+        step: object,
+        parent: otel_context.Context,
+        context: grpc.ServicerContext,
+        attributes: dict[str, int],
     ) -> tuple[object, float]:
-        """Runs a step under a span that is a child of the caller's; returns its result and
-        wall time (queueing on the engine included: it is part of the caller's wait)."""
+        """Runs a step under a span that is a child of `parent` (the caller's); returns its
+        result and wall time (queueing on the engine included: it is part of the caller's wait)."""
         start = time.perf_counter()
         error: ServiceError | None = None
-        with self._tracer.start_span(name, context=incoming(context), kind=SERVER, attributes=attributes) as span:
+        with self._tracer.start_span(name, context=parent, kind=SERVER, attributes=attributes) as span:
             try:
                 result = self._engine.run(step)
             except ServiceError as err:
@@ -189,7 +199,7 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
     step_time_s = model.step_time_s()
     drafter = Drafter(model, config.support_size, config.max_sessions)
-    engine = Engine(drafter.execute, "draft-engine")
+    engine = Engine(drafter.execute, "draft-engine", inline=torch.get_num_threads() == 1)
 
     def expire() -> None:
         for sid in engine.run(Expire(config.session_idle_s)):

@@ -107,6 +107,6 @@ def proposal_duration(meter: Meter) -> Histogram:
     return meter.create_histogram(
         "specdec.draft.proposal.duration",
         unit="s",
-        description="wall time of one Propose call inside the draft service",
+        description="wall time of one proposal inside the draft service",
         explicit_bucket_boundaries_advisory=ROUND_SECONDS,
     )

@@ -8,7 +8,8 @@
   a bounded queue (OTEL_BSP_*), so a slow or dead collector drops spans, never requests.
 - Metrics: an SDK meter provider read by a Prometheus endpoint (`--metrics-listen`) and,
   with an OTLP endpoint, by a periodic OTLP exporter (OTEL_METRICS_EXPORTER=none stops it).
-- Context: W3C `traceparent` in gRPC metadata, injected and extracted explicitly.
+- Context: W3C `traceparent` in gRPC metadata, injected and extracted explicitly; in the
+  message itself on a stream whose messages have different parents (draft proposals).
 """
 
 from __future__ import annotations
@@ -127,6 +128,18 @@ def inject(ctx: otel_context.Context) -> list[tuple[str, str]]:
 def extract(metadata: Metadata | None) -> otel_context.Context:
     """The caller's trace context from gRPC metadata (an empty context when there is none)."""
     return _PROPAGATOR.extract({key: value for key, value in metadata or ()})
+
+
+def traceparent(ctx: otel_context.Context) -> str:
+    """ctx's span as a W3C traceparent value, for a message that carries its own parent."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier.get("traceparent", "")
+
+
+def from_traceparent(value: str) -> otel_context.Context:
+    """The context a traceparent value names (an empty context for an empty value)."""
+    return _PROPAGATOR.extract({"traceparent": value} if value else {})
 
 
 def incoming(context: grpc.ServicerContext) -> otel_context.Context:

@@ -260,7 +260,8 @@ def test_shutdown_waits_for_a_hung_collector_no_longer_than_the_grace_period(toy
                 stub = draft_pb2_grpc.DraftStub(channel)
                 # A span to flush: a proposal for a session that does not exist (NOT_FOUND).
                 with pytest.raises(grpc.RpcError) as caught:
-                    stub.Propose(draft_pb2.ProposeRequest(session_id="none", num_tokens=1), timeout=120, wait_for_ready=True)
+                    request = draft_pb2.ProposeRequest(session_id="none", num_tokens=1)
+                    list(stub.Propose(iter([request]), timeout=120, wait_for_ready=True))
                 assert caught.value.code() == grpc.StatusCode.NOT_FOUND
             start = time.monotonic()
             process.send_signal(signal.SIGTERM)

@@ -30,7 +30,7 @@ from specdec.metrics import SpeculationMetrics
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.serving import Drain, remaining_timeout
-from specdec.telemetry import inject, set_error
+from specdec.telemetry import inject, set_error, traceparent
 from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, verify_pb2
 from verify_service.admission import Admission, Limits
@@ -321,9 +321,9 @@ class Decoder:
     ) -> Iterator[verify_pb2.DecodeChunk]:
         usage = UsageTally(prompt_tokens=len(plan.prompt_ids))
         started = time.perf_counter()
-        for index in range(plan.max_new_tokens):
-            with self._tracer.start_span(attrs.ROUND, context=ctx) as span:
-                round_start = time.perf_counter()
+        span, round_start = self._tracer.start_span(attrs.ROUND, context=ctx), time.perf_counter()
+        try:
+            for index in range(plan.max_new_tokens):
                 draft, speculation, chunk = self._round(
                     sid, plan, index, usage, draft, speculation, trace.set_span_in_context(span)
                 )
@@ -331,18 +331,64 @@ class Decoder:
                 span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), usage.acceptance_rate))
                 if not speculation.speculating:
                     span.set_attributes(attrs.speculation(speculation))
-            self._metrics.round_duration.record(time.perf_counter() - round_start)
-            self._metrics.speculated(stats.draft_tokens, stats.accepted_tokens)
-            self._metrics.generated.add(len(chunk.token_ids))
-            if stats.draft_tokens:
-                self._metrics.accepted_per_round.record(stats.accepted_tokens)
-            if chunk.finish_reason:
-                elapsed = time.perf_counter() - started
-                if elapsed > 0:
-                    self._metrics.tokens_per_second.record(usage.completion_tokens / elapsed)
+                if not chunk.finish_reason:
+                    # The next round starts now: its proposal is asked for before this
+                    # round's tokens are sent, so the draft computes while they travel.
+                    following, following_start = self._tracer.start_span(attrs.ROUND, context=ctx), time.perf_counter()
+                    draft, speculation = self._request_proposal(plan, usage, draft, speculation, following)
+                span.end()
+                span = None
+                self._metrics.round_duration.record(time.perf_counter() - round_start)
+                self._metrics.speculated(stats.draft_tokens, stats.accepted_tokens)
+                self._metrics.generated.add(len(chunk.token_ids))
+                if stats.draft_tokens:
+                    self._metrics.accepted_per_round.record(stats.accepted_tokens)
+                if chunk.finish_reason:
+                    elapsed = time.perf_counter() - started
+                    if elapsed > 0:
+                        self._metrics.tokens_per_second.record(usage.completion_tokens / elapsed)
+                    yield chunk
+                    return
                 yield chunk
-                return
-            yield chunk
+                span, round_start = following, following_start
+        except Exception as err:  # the decode span says which status the caller got
+            if span is not None:
+                span.record_exception(err)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, repr(err)))
+            raise
+        finally:  # a stream that ends between rounds leaves the next one's span open
+            if span is not None:
+                span.end()
+
+    def _request_proposal(
+        self,
+        plan: Plan,
+        usage: UsageTally,
+        draft: DraftSession | None,
+        speculation: common_pb2.Speculation,
+        span: trace.Span,
+    ) -> tuple[DraftSession | None, common_pb2.Speculation]:
+        """Asks the draft for the next round's proposal (under that round's span)."""
+        k = self._num_draft_tokens(plan, usage, draft)
+        if k > 0:
+            try:
+                draft.request(k, traceparent(trace.set_span_in_context(span)))
+            except DraftLost as lost:
+                speculation = self._lose_draft(draft, lost)
+                draft = None
+        return draft, speculation
+
+    def _num_draft_tokens(self, plan: Plan, usage: UsageTally, draft: DraftSession | None) -> int:
+        """k of the next round: never propose past the last position the request may emit."""
+        remaining = plan.max_new_tokens - usage.completion_tokens
+        return min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
+
+    def _lose_draft(self, draft: DraftSession, lost: DraftLost) -> common_pb2.Speculation:
+        """The request goes on target-only; the pairing goes too if the draft is in doubt."""
+        if lost.unpairs:
+            self._draft.forget(lost)
+        draft.close()
+        return target_only(lost.reason, str(lost))
 
     def _round(
         self,
@@ -357,17 +403,17 @@ class Decoder:
         """One round: proposal, verification, the chunk to stream (and the draft session
         and speculation state that the next round continues with)."""
         remaining = plan.max_new_tokens - usage.completion_tokens
-        # Never propose past the last position the request may emit.
-        k = min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
+        k = self._num_draft_tokens(plan, usage, draft)
         proposal, draft_seconds, draft_compute = NO_DRAFT, 0.0, 0.0
         if k > 0:
             try:
-                proposal, draft_seconds, draft_compute = draft.propose(k, inject(ctx))
+                start = time.perf_counter()
+                if not draft.requested:  # the first round; later ones were asked for by the round before
+                    draft.request(k, traceparent(ctx))
+                proposal, draft_compute = draft.receive()
+                draft_seconds = time.perf_counter() - start
             except DraftLost as lost:
-                speculation = target_only(lost.reason, str(lost))
-                if lost.unpairs:
-                    self._draft.forget(lost)
-                draft.close()
+                speculation = self._lose_draft(draft, lost)
                 draft = None
         with self._tracer.start_span(attrs.TARGET_VERIFY, context=ctx) as span:
             verified: Verified = self._engine.run(Verify(sid, proposal))

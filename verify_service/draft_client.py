@@ -4,11 +4,15 @@ target-only reason."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -46,6 +50,45 @@ class DraftLost(Exception):
         return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail, unpairs=code not in SESSION_CODES)
 
 
+class Watchdog:
+    """Cancels proposal streams whose round deadline passed: one thread for every session
+    (a timer per round would start a thread per round). It sleeps until the earliest
+    deadline armed, and is woken only by one that is earlier still."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}  # alarm -> (monotonic deadline, expire)
+        self._wake_at = math.inf
+        self._alarms = itertools.count()
+        threading.Thread(target=self._loop, name="draft-deadlines", daemon=True).start()
+
+    def arm(self, timeout_s: float, expire: Callable[[], None]) -> int:
+        at = time.monotonic() + timeout_s
+        with self._cond:
+            alarm = next(self._alarms)
+            self._armed[alarm] = (at, expire)
+            if at < self._wake_at:
+                self._cond.notify()
+        return alarm
+
+    def disarm(self, alarm: int) -> None:
+        with self._cond:
+            self._armed.pop(alarm, None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [alarm for alarm, (at, _) in self._armed.items() if at <= now]
+                expired = [self._armed.pop(alarm)[1] for alarm in due]
+                self._wake_at = min((at for at, _ in self._armed.values()), default=math.inf)
+                if not expired:
+                    self._cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
+                    continue
+            for expire in expired:
+                expire()
+
+
 @dataclass(frozen=True)
 class DraftDeadlines:
     factor: float  # a round's deadline is this many times the expected proposal time
@@ -80,6 +123,7 @@ class DraftClient:
         self._lost: DraftLost | None = None  # the last failure or refusal, answered until _retry_at
         self._retry_at = 0.0
         self._unawaited: set[grpc.Future] = set()  # calls sent without waiting, held until done
+        self.watchdog = Watchdog()
 
     @property
     def pairing(self) -> pairing_pb2.Pairing:
@@ -217,7 +261,8 @@ class DraftClient:
 
 
 class DraftSession:
-    """One request's draft session. Not shared between threads."""
+    """One request's draft session: its OpenSession call, then one Propose stream that
+    carries every round. Not shared between threads (but `interrupt` may come from any)."""
 
     def __init__(self, client: DraftClient, session_id: str, deadline: float | None) -> None:
         self._client = client
@@ -225,41 +270,78 @@ class DraftSession:
         self.session_id = session_id
         self._deadline = deadline
         self.opening: grpc.Future | None = None  # the OpenSession call, until its first proposal
-        self._proposing: grpc.Future | None = None  # the Propose call in flight
+        self._requests: queue.SimpleQueue[draft_pb2.ProposeRequest | None] = queue.SimpleQueue()
+        self._stream: Any = None  # the Propose stream (a grpc call and response iterator), from the first round
         self._accepted = 0
         self._appended: list[int] = []
         self._closed = False
-        self._interrupted = False  # sticky: an interrupt between two calls still stops the next
+        self._interrupted = False  # sticky: an interrupt between two rounds still stops the next
+        self._timed_out = False  # the watchdog cancelled the stream at a round's deadline
+        self._alarm: int | None = None  # the watchdog's alarm of the proposal asked for, until received
+        self._num_tokens = 0  # of the proposal asked for
+        self._requested_at = 0.0
 
-    def propose(self, num_tokens: int, metadata: Metadata) -> tuple[DraftProposal, float, float]:
-        """The next num_tokens draft tokens, the seconds waited for them and the draft's own
-        compute seconds; raises DraftLost.
-        metadata carries the round's trace context (the draft's span is the round's child)."""
-        start = time.perf_counter()
+    @property
+    def requested(self) -> bool:
+        """A proposal was asked for and not received yet."""
+        return self._alarm is not None
+
+    def request(self, num_tokens: int, traceparent: str) -> None:
+        """Asks for the next num_tokens draft tokens without waiting for them (the first
+        request waits for the session's prefill); raises DraftLost. traceparent names the
+        round's span (the parent of the draft's)."""
         if self._interrupted:
             raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal cancelled", unpairs=False)
         if self.opening is not None:
             self._wait(self.opening, "prefill")
             self.opening = None
+        if self._stream is None:
+            self._stream = self._stub.Propose(iter(self._requests.get, None), timeout=self.within_deadline(None))
+            if self._interrupted:  # it landed while the stream was being opened
+                self._stream.cancel()
         request = draft_pb2.ProposeRequest(
-            session_id=self.session_id, accepted=self._accepted, appended_ids=self._appended, num_tokens=num_tokens
-        )
-        proposing = time.perf_counter()
-        timeout = self.within_deadline(self._client.round_deadline_s(num_tokens))
-        self._proposing = self._stub.Propose.future(request, timeout=timeout, metadata=metadata)
-        if self._interrupted:  # it landed while this call was being made
-            self._proposing.cancel()
-        response = self._wait(self._proposing, "proposal")
-        self._proposing = None
+            session_id=self.session_id, accepted=self._accepted, appended_ids=self._appended, num_tokens=num_tokens,
+            traceparent=traceparent,
+        )  # fmt: skip
+        self._num_tokens = num_tokens
+        self._requested_at = time.perf_counter()
+        self._requests.put(request)
+        deadline = self.within_deadline(self._client.round_deadline_s(num_tokens))
+        self._alarm = self._client.watchdog.arm(deadline, self._expire)
+
+    def receive(self) -> tuple[DraftProposal, float]:
+        """The proposal asked for and the draft's own compute seconds; raises DraftLost."""
+        try:
+            response = self._next()
+        finally:
+            self._client.watchdog.disarm(self._alarm)
+            self._alarm = None
         end = time.perf_counter()
-        self._client.observe(num_tokens, end - proposing)
+        self._client.observe(self._num_tokens, end - self._requested_at)
         tokens = response.tokens
         proposal = DraftProposal(
             ids=[t.id for t in tokens],
             support_ids=[list(t.support_ids) for t in tokens],
             support_probs=[list(t.support_probs) for t in tokens],
         )
-        return proposal, end - start, response.compute_time_us / 1e6
+        return proposal, response.compute_time_us / 1e6
+
+    def _next(self) -> draft_pb2.ProposeResponse:
+        try:
+            return next(self._stream)
+        except StopIteration:
+            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal stream ended early") from None
+        except grpc.RpcError as error:
+            if self._timed_out:
+                raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, "draft proposal missed its deadline") from None
+            if self._interrupted:
+                raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal cancelled", unpairs=False) from None
+            raise DraftLost.from_rpc(error, "proposal") from None
+
+    def _expire(self) -> None:
+        """The round's deadline passed (the watchdog's thread)."""
+        self._timed_out = True
+        self._stream.cancel()
 
     @staticmethod
     def _wait(call: grpc.Future, during: str) -> object:
@@ -275,15 +357,16 @@ class DraftSession:
         (cancelled, past its deadline), and must not wait out a stalled draft's deadline.
         Called from another thread."""
         self._interrupted = True
-        for call in (self.opening, self._proposing):
+        for call in (self.opening, self._stream):
             if call is not None:
                 call.cancel()
 
-    def within_deadline(self, timeout_s: float) -> float:
-        """timeout_s, cut to what is left of the request's deadline."""
+    def within_deadline(self, timeout_s: float | None) -> float | None:
+        """timeout_s (None: none), cut to what is left of the request's deadline."""
         if self._deadline is None:
             return timeout_s
-        return max(0.0, min(timeout_s, self._deadline - time.monotonic()))
+        left = max(0.0, self._deadline - time.monotonic())
+        return left if timeout_s is None else min(timeout_s, left)
 
     def commit(self, accepted: int, closing_token: int) -> None:
         """Records what the verifier kept; sent with the next proposal request."""
@@ -295,6 +378,8 @@ class DraftSession:
         if self._closed:
             return
         self._closed = True
+        if self._stream is not None:
+            self._stream.cancel()  # frees the draft's handler thread now, whatever state the stream is in
         opening, self.opening = self.opening, None
         if opening is None:
             self._send_close()

@@ -29,16 +29,18 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, prefill_time_us: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "accepted", "appended_ids", "num_tokens")
+    __slots__ = ("session_id", "accepted", "appended_ids", "num_tokens", "traceparent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     APPENDED_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted: int
     appended_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[int] = ..., appended_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[int] = ..., appended_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DraftToken(_message.Message):
     __slots__ = ("id", "support_ids", "support_probs")

@@ -46,7 +46,7 @@ class DraftStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
-        self.Propose = channel.unary_unary(
+        self.Propose = channel.stream_stream(
                 '/specdec.v1.Draft/Propose',
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
@@ -85,8 +85,13 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Propose(self, request, context):
-        """Commits what the verifier kept of the last proposal, then proposes the next tokens.
+    def Propose(self, request_iterator, context):
+        """One session's rounds on one stream, one response per request and in order: each
+        request commits what the verifier kept of the last proposal, then asks for the next
+        tokens. A stream per session, not a call per round: a round then costs one message
+        each way instead of a call's set-up (measured here: 0.3 ms against 0.6-0.8 ms).
+        The caller cancels the stream to stop waiting (its round deadline passed, its
+        request ended); a failed request ends the stream with that request's status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +124,7 @@ def add_DraftServicer_to_server(servicer, server):
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.OpenSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.OpenSessionResponse.SerializeToString,
             ),
-            'Propose': grpc.unary_unary_rpc_method_handler(
+            'Propose': grpc.stream_stream_rpc_method_handler(
                     servicer.Propose,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
@@ -201,7 +206,7 @@ class Draft:
             _registered_method=True)
 
     @staticmethod
-    def Propose(request,
+    def Propose(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -211,8 +216,8 @@ class Draft:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/specdec.v1.Draft/Propose',
             specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
