@@ -16,7 +16,6 @@ an fp32 near-tie (DESIGN.md) fails the benchmark, naming the position and the ga
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -103,8 +102,7 @@ class Progress:
 
 def held_out_prompts(config: BenchConfig) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(config.target)
-    texts = [p["prompt"] for p in json.loads((defaults.MODELS_DIR / "heldout_prompts.json").read_text())]
-    return [tokenizer.encode(text)[:PROMPT_MAX_TOKENS] for text in texts[: config.prompts]]
+    return [tokenizer.encode(text)[:PROMPT_MAX_TOKENS] for text in defaults.heldout_prompts()[: config.prompts]]
 
 
 def machine() -> dict:
@@ -153,7 +151,7 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
 
         warm = Job(0, prompts[0], 8, 0.0, 0)
         for column in config.columns:
-            _run_column(column, warm, gateway, peer, config.ks[0])  # one-off costs stay out of the figures
+            _run_column(column, warm, gateway, peer, _column_k(column, config.ks[0]))  # one-off costs stay out of the figures
         best_k = _calibrate(config, prompts[0], gateway, log)
 
         jobs = [
@@ -169,7 +167,7 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
         for repeat, job in jobs:
             reference: Run | None = None
             for column in config.columns:
-                k = best_k[job.temperature] if column == PEER_CONSTANT else int(column[2:]) if column.startswith("k=") else 0
+                k = _column_k(column, best_k[job.temperature])
                 run = _run_column(column, job, gateway, peer, k)
                 record = Record(column, job.temperature, job.length, job.prompt_index, repeat, run, k)
                 records.append(record)
@@ -189,11 +187,17 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
     return result
 
 
-def _run_column(column: str, job: Job, gateway: str, peer: Peer, k: int) -> Run:
-    if column == TARGET_ONLY:
-        return ours_run(gateway, job, 0)
+def _column_k(column: str, best_k: int) -> int:
+    """Draft tokens per round of a column: N for "k=N", our best k for the constant-k
+    peer, 0 for the others."""
     if column.startswith("k="):
-        return ours_run(gateway, job, int(column[2:]))
+        return int(column[2:])
+    return best_k if column == PEER_CONSTANT else 0
+
+
+def _run_column(column: str, job: Job, gateway: str, peer: Peer, k: int) -> Run:
+    if column == TARGET_ONLY or column.startswith("k="):
+        return ours_run(gateway, job, k)
     return peer_run(peer, job, column, k)
 
 

@@ -32,7 +32,6 @@ from specdec.client import connect
 from specdec.launcher import Stack, StackConfig, free_port
 from specdec.v1 import common_pb2, generation_pb2
 
-PROMPTS = defaults.MODELS_DIR / "heldout_prompts.json"
 PROGRESS_S = 5.0  # a progress line this often
 
 
@@ -151,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--speculation", choices=("on", "off"), default="on")
     parser.add_argument("--json", default="", help="write the reports to this file")
     args = parser.parse_args(argv)
-    prompts = [p["prompt"] for p in json.loads(PROMPTS.read_text())]
+    prompts = defaults.heldout_prompts()
 
     stack = None
     gateway = args.gateway

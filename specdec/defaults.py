@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO / "models"
 DEFAULT_TARGET = str(MODELS_DIR / "target")
 DEFAULT_DRAFT = str(MODELS_DIR / "draft")
+HELDOUT_PROMPTS = MODELS_DIR / "heldout_prompts.json"  # written by models/recipe.py
+
+
+def heldout_prompts() -> list[str]:
+    """The committed held-out prompts (first lines of held-out stdlib files), as text."""
+    return [p["prompt"] for p in json.loads(HELDOUT_PROMPTS.read_text())]
 
 DRAFT_ADDRESS = "unix:///tmp/specdec/draft.sock"
 VERIFY_ADDRESS = "127.0.0.1:50052"

@@ -48,6 +48,10 @@ def metrics_ports() -> dict[str, int]:
 def traced(toy, stack_factory, receiver, metrics_ports):
     """A stack exporting to the receiver with the exporters' default batching (spans every
     5 s or per 512), metrics every 500 ms."""
+    return exporting_stack(toy, stack_factory, receiver, metrics_ports)
+
+
+def exporting_stack(toy, stack_factory, receiver: OtlpReceiver, metrics_ports: dict[str, int]):
     # A short grace: once the receiver is stopped, each service waits that long for its exporter.
     args = {s: ["--metrics-listen", f"127.0.0.1:{metrics_ports[s]}", "--grace-s", "1"] for s in SERVICES}
     args["verify"] += ["--draft-deadline-min-ms", "10000"]  # these tests assert speculation ran
@@ -210,10 +214,7 @@ def test_a_dead_collector_does_not_slow_generation(toy, stack_factory, traced, r
     is the cost of the receiver being gone. Exporting itself has a cost of its own (span
     encoding takes GIL time: about 5-15% on the toy models' 3 ms rounds)."""
     with OtlpReceiver() as live_receiver:
-        args = {s: ["--metrics-listen", f"127.0.0.1:{free_port()}", "--grace-s", "1"] for s in SERVICES}
-        args["verify"] += ["--draft-deadline-min-ms", "10000"]
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": live_receiver.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "500"}
-        live = stack_factory(toy.target, toy.close, args=args, env=env)
+        live = exporting_stack(toy, stack_factory, live_receiver, {s: free_port() for s in SERVICES})
         receiver.stop()  # the traced stack's exporter now fails every export
         req = request(PROMPT, max_new_tokens=128)
         run(traced, req), run(live, req)  # warm both

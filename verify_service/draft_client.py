@@ -49,6 +49,11 @@ class DraftLost(Exception):
         detail = f"draft {during} failed: {code.name}: {error.details()}"
         return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail, unpairs=code not in SESSION_CODES)
 
+    @classmethod
+    def cancelled(cls, during: str) -> DraftLost:
+        """This request cancelled its own draft call (it ended): the pairing stands."""
+        return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, f"draft {during} cancelled", unpairs=False)
+
 
 class Watchdog:
     """Cancels proposal streams whose round deadline passed: one thread for every session
@@ -291,7 +296,7 @@ class DraftSession:
         request waits for the session's prefill); raises DraftLost. traceparent names the
         round's span (the parent of the draft's)."""
         if self._interrupted:
-            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal cancelled", unpairs=False)
+            raise DraftLost.cancelled("proposal")
         if self.opening is not None:
             self._wait(self.opening, "prefill")
             self.opening = None
@@ -335,7 +340,7 @@ class DraftSession:
             if self._timed_out:
                 raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, "draft proposal missed its deadline") from None
             if self._interrupted:
-                raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal cancelled", unpairs=False) from None
+                raise DraftLost.cancelled("proposal") from None
             raise DraftLost.from_rpc(error, "proposal") from None
 
     def _expire(self) -> None:
@@ -348,7 +353,7 @@ class DraftSession:
         try:
             return call.result()
         except grpc.FutureCancelledError:
-            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, f"draft {during} cancelled", unpairs=False) from None
+            raise DraftLost.cancelled(during) from None
         except grpc.RpcError as error:
             raise DraftLost.from_rpc(error, during) from None
 
