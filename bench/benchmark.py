@@ -5,6 +5,7 @@ side in one run.
 Columns (all on the same prompts, lengths and temperatures, interleaved job by job so
 that machine noise hits them alike):
   target-only      our services, speculation off
+  auto             our services, AUTO mode (k chosen per round, target-only when it does not pay)
   k=2, k=4, ...    our services, speculation on with that many draft tokens per round
   generate         transformers' plain generate on the target (the peer's baseline)
   assisted-default transformers' assisted generation, its default schedule
@@ -12,6 +13,10 @@ that machine noise hits them alike):
 
 Greedy speculative completions must equal the target-only ones; a divergence that is not
 an fp32 near-tie (DESIGN.md) fails the benchmark, naming the position and the gap.
+
+A second stack pairs the target with a deliberately mismatched draft (the draft's
+architecture and tokenizer with untrained, seeded random weights) and compares AUTO with
+target-only on it: AUTO must notice that the draft keeps missing.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bench import report
-from bench.report import TARGET_ONLY
+from bench.report import AUTO, AUTO_SHORT as SHORT, TARGET_ONLY
 from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN, Job, Peer, Run, ours_run, peer_run
 from specdec import defaults
 from specdec.costs import measure_costs
@@ -51,18 +56,21 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.8)
     ks: tuple[int, ...] = (2, 4, 6, 8)
     repeats: int = 1
+    short_repeats: int = 3  # repeats of the jobs of at most SHORT tokens: a fraction of a second each, noisy
+    mismatched_repeats: int = 2
     verify_threads: int = 2  # torch threads of the verify service
     draft_threads: int = 1  # torch threads of the draft service (its default)
     peer_threads: int = 2  # torch threads of transformers' generate in this process
     calibration_length: int = 256  # output length of the runs that choose our best k
+    mismatched_length: int = 256  # output length of the runs with the mismatched draft
     out: Path = Path("bench/results/cpu")
 
     @property
     def columns(self) -> list[str]:
-        return [TARGET_ONLY, *(f"k={k}" for k in self.ks), PEER_PLAIN, PEER_DEFAULT, PEER_CONSTANT]
+        return [TARGET_ONLY, AUTO, *(f"k={k}" for k in self.ks), PEER_PLAIN, PEER_DEFAULT, PEER_CONSTANT]
 
 
-QUICK = dict(prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128)
+QUICK = dict(prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128, mismatched_length=128, short_repeats=1, mismatched_repeats=1)
 
 
 @dataclass
@@ -156,10 +164,11 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
 
         jobs = [
             (repeat, Job(p, ids, length, temperature, seed=1000 * repeat + p))
-            for repeat in range(config.repeats)
+            for repeat in range(config.repeats * max(1, config.short_repeats))
             for p, ids in enumerate(prompts)
             for temperature in config.temperatures
             for length in config.lengths
+            if repeat < config.repeats or length <= SHORT
         ]
         progress = Progress(len(jobs) * len(config.columns), log)
         records: list[Record] = []
@@ -174,15 +183,16 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
                 progress.tick(record)
                 if column == TARGET_ONLY:
                     reference = run
-                elif column.startswith("k=") and job.temperature == 0.0:
+                elif (column.startswith("k=") or column == AUTO) and job.temperature == 0.0:
                     failure = _check_greedy(target, job, reference, record)
                     if failure:
                         failures.append(failure)
                         print(f"  GREEDY MISMATCH: {failure}", file=log, flush=True)
         memory = {s: round(peak_rss_mib(p.pid), 1) for s, p in stack.processes.items()}
     memory["bench (peer)"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    mismatched = _mismatched_runs(config, stack_config, prompts, target, failures, log)
 
-    result = report.build(config, records, costs, best_k, memory, failures, machine())
+    result = report.build(config, records, costs, best_k, memory, failures, machine(), mismatched)
     report.write(result, config.out)
     return result
 
@@ -198,7 +208,61 @@ def _column_k(column: str, best_k: int) -> int:
 def _run_column(column: str, job: Job, gateway: str, peer: Peer, k: int) -> Run:
     if column == TARGET_ONLY or column.startswith("k="):
         return ours_run(gateway, job, k)
+    if column == AUTO:
+        return ours_run(gateway, job, 0, auto=True)
     return peer_run(peer, job, column, k)
+
+
+def mismatched_draft(draft: str, out: Path, seed: int = 0) -> Path:
+    """The draft's architecture and tokenizer with untrained weights: same-origin by every
+    check the pairing makes, and wrong almost every time."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(draft))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(draft).save_pretrained(out)
+    return out
+
+
+def _mismatched_runs(
+    config: BenchConfig, stack_config: StackConfig, prompts: list[list[int]], target: CausalLM, failures: list[dict], log: TextIO
+) -> list[Record]:
+    """Target-only against AUTO on a stack whose draft is mismatched, interleaved (none
+    with mismatched_repeats 0)."""
+    if config.mismatched_repeats < 1:
+        return []
+    workdir = stack_config.workdir / "mismatched"
+    draft = mismatched_draft(config.draft, workdir / "draft")
+    mismatched = StackConfig(
+        target=config.target,
+        draft=str(draft),
+        workdir=workdir,
+        gateway_address=f"127.0.0.1:{free_port()}",
+        extra_args=stack_config.extra_args,
+        programs=stack_config.programs,
+    )
+    print(f"specdec bench: a stack with a mismatched draft ({draft}): target-only against auto ...", file=log, flush=True)
+    records: list[Record] = []
+    with Stack(mismatched):
+        gateway = mismatched.gateway_address
+        ours_run(gateway, Job(0, prompts[0], 8, 0.0, 0), 0)  # one-off costs stay out of the figures
+        for repeat, (p, ids) in [(r, pair) for r in range(config.mismatched_repeats) for pair in enumerate(prompts)]:
+            for temperature in config.temperatures:
+                job = Job(p, ids, config.mismatched_length, temperature, seed=1000 * repeat + p)
+                order = (TARGET_ONLY, AUTO) if (p + repeat) % 2 == 0 else (AUTO, TARGET_ONLY)
+                runs = {column: ours_run(gateway, job, 0, auto=column == AUTO) for column in order}
+                for column in (TARGET_ONLY, AUTO):
+                    records.append(Record(column, temperature, job.length, p, repeat, runs[column]))
+                print(
+                    f"  mismatched draft, prompt {p}, T={temperature}: target-only {runs[TARGET_ONLY].tokens_per_s:.1f}, "
+                    f"auto {runs[AUTO].tokens_per_s:.1f} tokens/s",
+                    file=log,
+                    flush=True,
+                )
+                if temperature == 0.0:
+                    failure = _check_greedy(target, job, runs[TARGET_ONLY], records[-1])
+                    if failure:
+                        failures.append({**failure, "column": "mismatched auto"})
+    return records
 
 
 def _calibrate(config: BenchConfig, prompt: list[int], gateway: str, log: TextIO) -> dict[float, int]:

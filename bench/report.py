@@ -22,22 +22,24 @@ from pathlib import Path
 from typing import Any
 
 from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN
+from specdec.speculation_gain import gain
 
 TARGET_ONLY = "target-only"
+AUTO = "auto"
 GOALS = {
     "target_only_vs_generate": 0.9,  # our target-only tokens/s over plain generate, every cell
     "greedy_longest_best_k_speedup": 1.8,  # greedy, longest output, best k, over our target-only
     "other_share_max": 0.15,  # everything but the two models' forwards, share of a round
     "of_bound_min": 0.85,  # measured speedup over the theoretical one
+    "auto_short_min": 0.97,  # AUTO over target-only at outputs of at most AUTO_SHORT tokens
+    "auto_vs_best_k_min": 0.95,  # AUTO over the best fixed k, longer outputs
+    "auto_mismatched_min": 0.95,  # AUTO over target-only with the mismatched draft
 }
+AUTO_SHORT = 32  # the verify service's default --auto-min-new-tokens
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def _cell(records: list, costs, baseline_tps: float) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def _cell(records: list, costs, baseline_tps: float) -> dict[str, Any]:
         "tokens_per_s": round(tps, 2),
         "speedup": round(tps / baseline_tps, 3) if baseline_tps else 0.0,
     }
-    if records[0].column == TARGET_ONLY or records[0].column.startswith("k="):
+    if records[0].column in (TARGET_ONLY, AUTO) or records[0].column.startswith("k="):
         proposed = sum(r.proposed for r in runs)
         accepted = sum(r.accepted for r in runs)
         rejections = sum(r.rejections for r in runs)
@@ -72,14 +74,25 @@ def _cell(records: list, costs, baseline_tps: float) -> dict[str, Any]:
             draft_compute_ms=round(compute_s * 1e3, 3),  # the draft's own time per round, hidden or not
             draft_wait_ms=round(wait_s * 1e3, 3),  # what a round waited for its proposal
         )
-        if k:
+        if records[0].column == AUTO:
+            rounds_ = [(k, n) for r in runs for k, n in zip(r.draft_tokens, r.round_tokens)]
+            speculative = [(k, n) for k, n in rounds_ if k]
+            emitted = sum(n for _, n in rounds_)
+            cell.update(
+                mean_k=round(sum(k for k, _ in speculative) / len(speculative), 2) if speculative else 0.0,
+                speculative_tokens=round(sum(n for _, n in speculative) / emitted, 3) if emitted else 0.0,
+            )
+        elif k:
             alpha = cell["alpha_hat"]
-            bound = expected_tokens(alpha, k) / (k * costs.c + costs.v[k])
+            bound = gain(alpha, k, costs.c, costs.v[k])
             cell.update(bound=round(bound, 3), of_bound=round(cell["speedup"] / bound, 3))
     return cell
 
 
-def build(config, records: list, costs, best_k: dict[float, int], memory: dict[str, float], failures: list[dict], machine: dict) -> dict:
+def build(
+    config, records: list, costs, best_k: dict[float, int], memory: dict[str, float], failures: list[dict], machine: dict,
+    mismatched: list,
+) -> dict:
     grouped: dict[tuple[float, int, str], list] = defaultdict(list)
     for record in records:
         grouped[(record.temperature, record.length, record.column)].append(record)
@@ -104,11 +117,24 @@ def build(config, records: list, costs, best_k: dict[float, int], memory: dict[s
         },
         "best_k": {str(t): k for t, k in best_k.items()},
         "cells": cells,
+        "mismatched_draft": _mismatched_cells(config, mismatched, costs),
         "peak_memory_mib": memory,
         "greedy_failures": failures,
     }
     result["goals"] = goals(result, config)
     return result
+
+
+def _mismatched_cells(config, records: list, costs) -> list[dict]:
+    """Target-only and AUTO with the mismatched draft, per temperature."""
+    cells = []
+    for temperature in config.temperatures:
+        group = {column: [r for r in records if r.temperature == temperature and r.column == column] for column in (TARGET_ONLY, AUTO)}
+        base = _median([r.run.tokens_per_s for r in group[TARGET_ONLY]])
+        for column, records_ in group.items():
+            if records_:
+                cells.append({"temperature": temperature, "length": config.mismatched_length, "column": column, **_cell(records_, costs, base)})
+    return cells
 
 
 def _find(cells: list[dict], temperature: float, length: int, column: str) -> dict:
@@ -137,6 +163,14 @@ def goals(result: dict, config) -> dict:
             })  # fmt: skip
     longest = max(config.lengths)
     greedy_longest = next((c for c in per_cell if c["temperature"] == 0.0 and c["length"] == longest), None)
+    for c in per_cell:
+        auto = _find(cells, c["temperature"], c["length"], AUTO)
+        best_tps = _find(cells, c["temperature"], c["length"], c["best"])["tokens_per_s"]
+        c["auto_speedup"] = auto["speedup"]
+        c["auto_vs_best_k"] = round(auto["tokens_per_s"] / best_tps, 3) if best_tps else 0.0
+    short = [c for c in per_cell if c["length"] <= AUTO_SHORT]
+    longer = [c for c in per_cell if c["length"] > AUTO_SHORT]
+    mismatched = [c for c in result["mismatched_draft"] if c["column"] == AUTO]
     return {
         "per_cell": per_cell,
         "target_only_at_least_0.9x_generate": all(c["target_only_vs_generate"] >= GOALS["target_only_vs_generate"] for c in per_cell),
@@ -144,6 +178,10 @@ def goals(result: dict, config) -> dict:
         "ours_at_least_peer": all(c["speedup"] >= c["peer_speedup"] for c in per_cell),
         "other_at_most_15%_of_round": all(c["other_share"] <= GOALS["other_share_max"] for c in per_cell),
         "at_least_85%_of_bound": all(c["of_bound"] >= GOALS["of_bound_min"] for c in per_cell),
+        "auto_short_at_least_0.97x_target_only": bool(short) and all(c["auto_speedup"] >= GOALS["auto_short_min"] for c in short),
+        "auto_within_5%_of_best_k": bool(longer) and all(c["auto_vs_best_k"] >= GOALS["auto_vs_best_k_min"] for c in longer),
+        "auto_mismatched_at_least_0.95x_target_only": bool(mismatched)
+        and all(c["speedup"] >= GOALS["auto_mismatched_min"] for c in mismatched),
     }
 
 
@@ -183,6 +221,35 @@ def markdown(result: dict) -> str:
             f"{c['tokens_per_round']:.2f} | {r['draft']:.2f} / {r['target']:.2f} / {r['other']:.2f} | {c['other_share']:.0%} | "
             f"{c['bound']:.2f}x | {c['of_bound']:.0%} | {g['target_only_vs_generate']:.2f} |"
         )
+    lines += [
+        "",
+        "AUTO per cell: its speedup over target-only, its tokens/s over the best fixed k's, the mean k of its "
+        "speculative rounds and the share of the output those rounds emitted.",
+        "",
+        "| T | tokens | auto speedup | auto / best k | mean k | tokens from speculative rounds |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for g in result["goals"]["per_cell"]:
+        c = _find(result["cells"], g["temperature"], g["length"], AUTO)
+        lines.append(
+            f"| {g['temperature']} | {g['length']} | {c['speedup']:.2f}x | {g['auto_vs_best_k']:.2f} ({g['best']}) | "
+            f"{c['mean_k']:.1f} | {c['speculative_tokens']:.0%} |"
+        )
+    lines += [
+        "",
+        "Mismatched draft (the draft's architecture and tokenizer, untrained weights): target-only against AUTO.",
+        "",
+        "| T | tokens | target-only | auto | acceptance | tokens from speculative rounds |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for t in cfg["temperatures"]:
+        pair = {c["column"]: c for c in result["mismatched_draft"] if c["temperature"] == t}
+        if len(pair) == 2:
+            base, auto = pair[TARGET_ONLY], pair[AUTO]
+            lines.append(
+                f"| {t} | {auto['length']} | {base['tokens_per_s']:.1f} | {auto['tokens_per_s']:.1f} ({auto['speedup']:.2f}x) | "
+                f"{auto['acceptance_rate']:.3f} | {auto['speculative_tokens']:.0%} |"
+            )
     lines += ["", "Goals: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in result["goals"].items() if k != "per_cell")]
     lines += ["Peak memory (MiB): " + ", ".join(f"{k} {v}" for k, v in result["peak_memory_mib"].items())]
     failures = result["greedy_failures"]
@@ -202,6 +269,7 @@ def plot(result: dict, path: Path) -> None:
         per_cell = [g for g in result["goals"]["per_cell"] if g["temperature"] == t]
         lengths = [g["length"] for g in per_cell]
         ax.plot(lengths, [g["speedup"] for g in per_cell], "o-", label="specdec (best k) over its target-only")
+        ax.plot(lengths, [g["auto_speedup"] for g in per_cell], "^-", label="specdec auto over its target-only")
         ax.plot(lengths, [g["peer_speedup"] for g in per_cell], "s--", label="transformers assisted over generate")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)

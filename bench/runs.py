@@ -1,6 +1,6 @@
 """One timed generation per call, for each kind of column the benchmark compares.
 
-  ours_run  one request through our gateway (speculation on at k, or off)
+  ours_run  one request through our gateway (speculation on at k, off, or AUTO)
   peer_run  transformers' `generate` in this process: plain, or assisted by the draft
             (`assistant_model`) with its default schedule or a constant number of tokens
 
@@ -51,18 +51,22 @@ class Run:
     # proposal was asked for early and arrived sooner, what the round waited.
     draft_path_s: float = 0.0
     target_s: float = 0.0  # target forwards plus acceptance
-    extra: dict[str, float] = field(default_factory=dict)
+    draft_tokens: list[int] = field(default_factory=list)  # k of every round (ours; 0: target-only)
+    round_tokens: list[int] = field(default_factory=list)  # tokens every round emitted (ours)
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds
 
 
-def ours_run(gateway: str, job: Job, k: int) -> Run:
-    """k = 0: speculation off."""
+def ours_run(gateway: str, job: Job, k: int, auto: bool = False) -> Run:
+    """k = 0: speculation off, unless auto (AUTO mode, which chooses k itself)."""
     req = generation_pb2.GenerateRequest(max_new_tokens=job.length, temperature=job.temperature, seed=job.seed)
     req.token_ids.ids.extend(job.prompt_ids)
-    req.speculation.mode = common_pb2.SPECULATION_MODE_ON if k else common_pb2.SPECULATION_MODE_OFF
+    if auto:
+        req.speculation.mode = common_pb2.SPECULATION_MODE_AUTO
+    else:
+        req.speculation.mode = common_pb2.SPECULATION_MODE_ON if k else common_pb2.SPECULATION_MODE_OFF
     if k:
         req.speculation.num_draft_tokens = k
     arrivals: list[float] = []
@@ -72,6 +76,8 @@ def ours_run(gateway: str, job: Job, k: int) -> Run:
     run = Run(completion.token_ids, completion.elapsed_s)
     u = completion.usage
     run.rounds, run.proposed, run.accepted, run.rejections = u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted, u.rejections
+    run.draft_tokens = [m.round.draft_tokens for m in completion.messages]
+    run.round_tokens = [len(m.token_ids) for m in completion.messages]
     steady = completion.messages[1:]
     if steady:
         run.steady_rounds = len(steady)

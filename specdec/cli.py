@@ -21,7 +21,11 @@ from specdec.launcher import Stack, StackConfig, StackError
 from specdec.v1 import common_pb2, generation_pb2
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split an HTTP header line into its name and value."""\n'
-MODES = {"on": common_pb2.SPECULATION_MODE_ON, "off": common_pb2.SPECULATION_MODE_OFF}
+MODES = {
+    "auto": common_pb2.SPECULATION_MODE_AUTO,
+    "on": common_pb2.SPECULATION_MODE_ON,
+    "off": common_pb2.SPECULATION_MODE_OFF,
+}
 
 
 def _env(name: str, default: str) -> str:
@@ -78,7 +82,8 @@ def _request(args: argparse.Namespace, prompt: str) -> generation_pb2.GenerateRe
         value = getattr(args, name)
         if value is not None:
             setattr(request, name, value)
-    request.speculation.mode = MODES[args.speculation]
+    if args.speculation is not None:
+        request.speculation.mode = MODES[args.speculation]
     if args.num_draft_tokens is not None:
         request.speculation.num_draft_tokens = args.num_draft_tokens
     return request
@@ -133,10 +138,11 @@ def _demo_runs(args: argparse.Namespace, config: StackConfig) -> int:
     channel, stub = connect(config.gateway_address)
     results = {}
     with channel:
-        for mode in ("on", "off"):
+        for mode in ("on", "auto", "off"):
             request = generation_pb2.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens)
             request.speculation.mode = MODES[mode]
-            request.speculation.num_draft_tokens = args.num_draft_tokens
+            if mode == "on":
+                request.speculation.num_draft_tokens = args.num_draft_tokens
             warmup = generation_pb2.GenerateRequest()
             warmup.CopyFrom(request)
             warmup.max_new_tokens = 8
@@ -144,13 +150,16 @@ def _demo_runs(args: argparse.Namespace, config: StackConfig) -> int:
             print(f"\n--- speculation {mode} ---\n{args.prompt}", end="", flush=True)
             results[mode] = generate(stub, request, on_message=lambda m: print(m.text, end="", flush=True))
             print(flush=True)
-    on, off = results["on"], results["off"]
-    print(f"\n{'':16}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'acceptance':>12}{'rounds':>8}")
+    off = results["off"]
+    print(f"\n{'':16}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'acceptance':>12}{'rounds':>8}{'speedup':>9}")
     for mode, c in results.items():
-        acceptance = f"{c.usage.acceptance_rate:.2f}" if mode == "on" else "-"
-        print(f"speculation {mode:<4}{len(c.token_ids):>8}{c.elapsed_s:>10.2f}{c.tokens_per_s:>10.1f}{acceptance:>12}{c.usage.rounds:>8}")
-    same = "yes" if on.token_ids == off.token_ids else "NO"
-    print(f"speedup {on.tokens_per_s / off.tokens_per_s:.2f}x, k={args.num_draft_tokens}, outputs identical: {same}")
+        acceptance = f"{c.usage.acceptance_rate:.2f}" if c.usage.draft_tokens_proposed else "-"
+        speedup = c.tokens_per_s / off.tokens_per_s
+        print(f"speculation {mode:<4}{len(c.token_ids):>8}{c.elapsed_s:>10.2f}{c.tokens_per_s:>10.1f}{acceptance:>12}{c.usage.rounds:>8}{speedup:>8.2f}x")
+    ks = sorted({m.round.draft_tokens for m in results["auto"].messages if m.round.draft_tokens})
+    print(f"on: k={args.num_draft_tokens} every round; auto: k in {ks or 'none (target-only)'}")
+    same = "yes" if results["on"].token_ids == off.token_ids == results["auto"].token_ids else "NO"
+    print(f"outputs identical: {same}")
     return 0 if same == "yes" else 1
 
 
@@ -195,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    gen.add_argument("--speculation", choices=sorted(MODES), default="on")
-    gen.add_argument("--num-draft-tokens", type=int)
+    gen.add_argument(
+        "--speculation", choices=sorted(MODES), help="auto, on or off (default: the server's, auto unless configured)"
+    )
+    gen.add_argument("--num-draft-tokens", type=int, help="draft tokens per round with --speculation on (default 4)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the request, in seconds")
     gen.add_argument("--json", action="store_true", help="one JSON object per streamed message, then a summary")
     gen.set_defaults(func=cmd_generate)

@@ -86,3 +86,17 @@ def measure_costs(
         v={k: statistics.median(r) for k, r in ratios_v.items()},
         context=context,
     )
+
+
+def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one forward over n new positions behind `context` cached tokens (the
+    fastest of `repeats`: the other services may be starting beside it), for each n in
+    positions: what the verify service starts its AUTO costs from."""
+    forwards = model.forwards
+    context = max(1, min(context, model.max_positions - max(positions)))
+    cache = model.new_cache(context + max(positions))
+    model.forward(cache, [(i * 7919) % model.vocab_size for i in range(context)])
+    _timed(model, cache, [1])  # the first forward after a prefill pays for its allocations
+    seconds = {n: min(_timed(model, cache, [1] * n) for _ in range(repeats)) for n in positions}
+    model.forwards = forwards  # calibration is not service work
+    return seconds

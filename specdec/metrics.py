@@ -77,6 +77,21 @@ class SpeculationMetrics:
             yield Observation(accepted / proposed)
 
 
+class ModeMetrics:
+    """The verify service's count of sessions by speculation mode, and of AUTO sessions
+    that went target-only."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.sessions = meter.create_counter(
+            "specdec.sessions", unit="{session}", description="requests admitted, by speculation mode (mode: on, off, auto)"
+        )
+        self.auto_fallbacks = meter.create_counter(
+            "specdec.auto.fallbacks",
+            unit="{session}",
+            description="AUTO requests that went target-only because no k was expected to gain",
+        )
+
+
 def observe_sessions(meter: Meter, count: Callable[[], int], description: str) -> None:
     """An up-down gauge of the sessions (or streams) open now."""
     meter.create_observable_up_down_counter(

@@ -96,3 +96,15 @@ def round_stats(stats: common_pb2.RoundStats, emitted: int, running_acceptance: 
         "specdec.round.verify_time_us": stats.verify_time_us,
         "specdec.acceptance_rate.running": running_acceptance,
     }
+
+
+def auto_choice(stats: common_pb2.RoundStats, reason: str) -> Attributes:
+    """How AUTO mode chose the round's k; `reason` (set when the choice changed) says why."""
+    attributes: dict = {
+        "specdec.auto.choice": _enum_suffix(common_pb2.AutoChoice.Name(stats.auto_choice), "AUTO_CHOICE_"),
+        "specdec.auto.expected_gain": stats.expected_gain,
+        "specdec.auto.alpha_hat": stats.alpha_estimate,
+    }
+    if reason:
+        attributes["specdec.auto.reason"] = reason
+    return attributes

@@ -3,13 +3,14 @@ equality check, which passes on the real services and fails on a corrupted verif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import pytest
 
 from bench.benchmark import BenchConfig, run_bench
-from bench.report import TARGET_ONLY
+from bench.report import AUTO, TARGET_ONLY
 
 TEMPERATURES = (0.0, 0.8)
 LENGTHS = (8, 24)
@@ -18,7 +19,8 @@ LENGTHS = (8, 24)
 def tiny_config(toy, out) -> BenchConfig:
     return BenchConfig(
         target=str(toy.target), draft=str(toy.close), prompts=2, lengths=LENGTHS, temperatures=TEMPERATURES,
-        ks=(2, 3), repeats=1, verify_threads=1, peer_threads=1, calibration_length=16, out=out,
+        ks=(2, 3), repeats=1, verify_threads=1, peer_threads=1, calibration_length=16, mismatched_length=48,
+        short_repeats=1, mismatched_repeats=1, out=out,
     )  # fmt: skip
 
 
@@ -29,7 +31,7 @@ def test_quick_bench_reports_every_cell_and_passes_the_greedy_check(toy, tmp_pat
     assert json.loads(json.dumps(result)) == json.loads((config.out / "bench.json").read_text())
     assert (config.out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (config.out / "bench.md").read_text()
-    assert "| T | tokens | target-only | k=2 | k=3 | generate | assisted-default | assisted-constant |" in table
+    assert "| T | tokens | target-only | auto | k=2 | k=3 | generate | assisted-default | assisted-constant |" in table
     assert result["greedy_failures"] == [] and "all speculative completions equal target-only" in table
 
     cells = {(c["temperature"], c["length"], c["column"]): c for c in result["cells"]}
@@ -38,6 +40,8 @@ def test_quick_bench_reports_every_cell_and_passes_the_greedy_check(toy, tmp_pat
         assert cell["runs"] == 2 and cell["tokens_per_s"] > 0
         if column == TARGET_ONLY:
             assert cell["speedup"] == 1.0 and cell["acceptance_rate"] == 0.0
+        if column == AUTO:  # every length here is at most the AUTO threshold: target-only rounds
+            assert cell["speculative_tokens"] == 0.0 and cell["acceptance_rate"] == 0.0
         if column.startswith("k="):
             assert 0 <= cell["acceptance_rate"] <= 1 and 0 <= cell["alpha_hat"] <= 1
             assert 1 <= cell["tokens_per_round"] <= cell["k"] + 1
@@ -50,10 +54,22 @@ def test_quick_bench_reports_every_cell_and_passes_the_greedy_check(toy, tmp_pat
     assert all(v > 10 for v in result["peak_memory_mib"].values())
     assert 0 < result["costs"]["c"] and set(result["costs"]["v"]) == {"2", "3"}
     assert len(result["goals"]["per_cell"]) == len(TEMPERATURES) * len(LENGTHS)
+    assert all(0 < c["auto_vs_best_k"] for c in result["goals"]["per_cell"])
+
+    # The mismatched draft: target-only and AUTO at 48 tokens, past the AUTO threshold.
+    mismatched = {(c["temperature"], c["column"]): c for c in result["mismatched_draft"]}
+    assert set(mismatched) == {(t, col) for t in TEMPERATURES for col in (TARGET_ONLY, AUTO)}
+    for t in TEMPERATURES:
+        auto = mismatched[(t, AUTO)]
+        assert auto["runs"] == 2 and auto["length"] == 48 and auto["tokens_per_s"] > 0
+        # (Untrained toy models all echo their input, so here the "mismatched" draft agrees.)
+        assert 0 < auto["speculative_tokens"] <= 1 and 0 <= auto["acceptance_rate"] <= 1
+    assert "Mismatched draft" in table
+    assert {"auto_short_at_least_0.97x_target_only", "auto_within_5%_of_best_k", "auto_mismatched_at_least_0.95x_target_only"} <= set(result["goals"])
 
 
 def test_a_corrupted_verify_step_fails_the_greedy_check(toy, tmp_path):
-    config = tiny_config(toy, tmp_path / "out")
+    config = dataclasses.replace(tiny_config(toy, tmp_path / "out"), mismatched_repeats=0)
     result = run_bench(config, programs={"verify": [sys.executable, "tests/corrupt_verify.py"]})
     failures = result["greedy_failures"]
     assert failures, "the corrupted verifier went unnoticed"

@@ -103,8 +103,12 @@ def test_demo_streams_both_ways_and_prints_the_figures(toy):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "--- speculation on ---" in out and "--- speculation off ---" in out
-    on_row = next(line for line in out.splitlines() if line.startswith("speculation on "))
-    tokens, seconds, tokens_per_s, acceptance, rounds = on_row.split()[2:]
-    assert int(tokens) == 64 and float(tokens_per_s) > 0 and 0 < float(acceptance) <= 1
+    for mode in ("on", "auto", "off"):
+        assert f"--- speculation {mode} ---" in out
+        row = next(line for line in out.splitlines() if line.startswith(f"speculation {mode} "))
+        tokens, seconds, tokens_per_s, acceptance, rounds, speedup = row.split()[2:]
+        assert int(tokens) == 64 and float(tokens_per_s) > 0 and speedup.endswith("x")
+        if mode == "on":
+            assert 0 < float(acceptance) <= 1
+    assert "on: k=4 every round; auto: k in" in out
     assert "outputs identical: yes" in out

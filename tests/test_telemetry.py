@@ -62,13 +62,14 @@ def exporting_stack(toy, stack_factory, receiver: OtlpReceiver, metrics_ports: d
     return stack_factory(toy.target, toy.close, args=args, env=env)
 
 
-def trace_of(receiver: OtlpReceiver, trace_id: str, rounds: int, proposals: int) -> list[ReceivedSpan]:
-    """The trace's spans once all have arrived: each process exports on its own schedule."""
+def trace_of(receiver: OtlpReceiver, trace_id: str, rounds: int, proposals: int, draft: bool = True) -> list[ReceivedSpan]:
+    """The trace's spans once all have arrived: each process exports on its own schedule.
+    draft: whether the request opened a draft session."""
 
     def complete():
         spans = [s for s in receiver.spans() if s.trace_id == trace_id]
         names = [s.name for s in spans]
-        expected = {"generate": 1, "decode": 1, "draft.prefill": 1, "target.prefill": 1}
+        expected = {"generate": 1, "decode": 1, "draft.prefill": int(draft), "target.prefill": 1}
         expected |= {"round": rounds, "target.verify": rounds, "draft.propose": proposals}
         return spans if all(names.count(name) == n for name, n in expected.items()) else None
 
@@ -162,14 +163,16 @@ def test_a_failed_request_sets_span_status_and_names_its_trace(traced, receiver)
         assert spans[name].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of a Prometheus endpoint, by name (labels dropped, values summed)."""
+def scrape(port: int, label: str = "") -> dict[str, float]:
+    """Every sample of a Prometheus endpoint, by name (values summed over labels), or by
+    (name, value of `label`) when a label is named."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    samples: dict[str, float] = {}
+    samples: dict = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+            key = (sample.name, sample.labels.get(label, "")) if label else sample.name
+            samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 
@@ -207,6 +210,45 @@ def test_each_service_serves_metrics_that_move_with_a_request(traced, receiver, 
     wait_for(lambda: scrape(metrics_ports["draft"])["specdec_sessions_active"] == 0, "the unused draft session to close")
     # And by OTLP, to the same receiver as the traces.
     wait_for(lambda: "specdec.draft.tokens.accepted" in receiver.metric_names, "metrics by OTLP")
+
+
+def test_auto_decisions_show_in_round_stats_round_spans_and_metrics(traced, receiver, metrics_ports):
+    port = metrics_ports["verify"]
+    before = scrape(port, label="mode")
+    short, longer = request(PROMPT, max_new_tokens=20), request(PROMPT, max_new_tokens=60)
+    for req in (short, longer):
+        req.speculation.mode = common_pb2.SPECULATION_MODE_AUTO
+    completions = [run(traced, req) for req in (short, longer)]
+    run(traced, request(PROMPT, max_new_tokens=20, speculation=True))
+    run(traced, request(PROMPT, max_new_tokens=20, speculation=False))
+
+    def moved(mode: str) -> float:
+        key = ("specdec_sessions_total", mode)
+        return scrape(port, label="mode").get(key, 0.0) - before.get(key, 0.0)
+
+    wait_for(lambda: (moved("auto"), moved("on"), moved("off")) == (2, 1, 1) or None, "sessions counted by mode")
+
+    for completion in completions:
+        streamed = [m.round for m in completion.messages]
+        assert all(r.mode == common_pb2.SPECULATION_MODE_AUTO and r.auto_choice for r in streamed)
+        proposals = sum(r.draft_tokens > 0 for r in streamed)
+        spans = trace_of(receiver, completion.trace_id, len(streamed), proposals, draft=proposals > 0)
+        (decode,) = [s for s in spans if s.name == "decode"]
+        assert decode.attributes["specdec.speculation.mode"] == "auto"
+        rounds = sorted((s for s in spans if s.name == "round"), key=lambda s: s.attributes["specdec.round.index"])
+        previous = None
+        for span, stats in zip(rounds, streamed, strict=True):
+            a = span.attributes
+            choice = common_pb2.AutoChoice.Name(stats.auto_choice).removeprefix("AUTO_CHOICE_").lower()
+            assert a["specdec.auto.choice"] == choice
+            assert a["specdec.auto.expected_gain"] == pytest.approx(stats.expected_gain)
+            assert a["specdec.auto.alpha_hat"] == pytest.approx(stats.alpha_estimate)
+            # The reason is written where the choice changes, and only there.
+            assert ("specdec.auto.reason" in a) == (choice != previous), (stats.index, choice, previous)
+            previous = choice
+    short_rounds = [m.round for m in completions[0].messages]
+    assert {r.auto_choice for r in short_rounds} == {common_pb2.AUTO_CHOICE_SHORT_OUTPUT}
+    assert any(m.round.draft_tokens for m in completions[1].messages)
 
 
 def test_a_dead_collector_does_not_slow_generation(toy, stack_factory, traced, receiver, metrics_ports):

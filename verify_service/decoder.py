@@ -3,7 +3,10 @@
 Each round: ask the draft for k tokens (with a deadline), verify them in one target
 forward on the engine thread, tell the draft what was kept, stream the round. Any draft
 failure switches the request to target-only rounds from the next token on: the target
-session already holds every committed token, so nothing is lost or repeated.
+session already holds every committed token, so nothing is lost or repeated. In AUTO mode
+each round's k comes from the session's AutoSession (verify_service/auto_mode.py), and a
+round with k = 0 is target-only; the draft catches up on the tokens it missed with the
+next proposal it is asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from opentelemetry import context as otel_context
@@ -26,7 +29,7 @@ from specdec import span_attributes as attrs
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.engine import Engine
 from specdec.errors import InvalidArgument, ResourceExhausted, ServiceError
-from specdec.metrics import SpeculationMetrics
+from specdec.metrics import ModeMetrics, SpeculationMetrics
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.serving import Drain, remaining_timeout
@@ -34,10 +37,13 @@ from specdec.telemetry import inject, set_error, traceparent
 from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, verify_pb2
 from verify_service.admission import Admission, Limits
+from verify_service.auto_mode import AutoSession, Choice, ServiceAuto
 from verify_service.draft_client import DraftClient, DraftLost, DraftSession
 from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
 
 SPECULATING = common_pb2.Speculation(speculating=True)
+AUTO = common_pb2.SPECULATION_MODE_AUTO
+MODE_NAMES = {common_pb2.SPECULATION_MODE_ON: "on", common_pb2.SPECULATION_MODE_OFF: "off", AUTO: "auto"}
 RECENT_CAPACITY = 10_000  # finished requests remembered for RecentRequests
 DEFAULT_RECENT = 100
 
@@ -55,8 +61,8 @@ class Plan:
     max_new_tokens: int
     params: SamplingParams
     seed: int
-    speculate: bool
-    num_draft_tokens: int
+    mode: common_pb2.SpeculationMode  # ON, OFF or AUTO (the service's default resolved)
+    num_draft_tokens: int  # k of every round in ON mode
 
     @property
     def capacity(self) -> int:
@@ -93,6 +99,7 @@ class Instruments:
 
     tracer: trace.Tracer
     metrics: SpeculationMetrics
+    modes: ModeMetrics
     model_name: str  # gen_ai.request.model
 
 
@@ -100,6 +107,7 @@ class Instruments:
 class DecodeLimits:
     max_new_tokens: int  # largest max_new_tokens a request may ask for
     admission: Limits
+    default_mode: common_pb2.SpeculationMode  # of a request that names none
     session_kv_bytes: int  # KV cache one session may reserve; 0: the whole context
     idle_s: float  # a stream whose caller takes no message for this long is cancelled; 0: never
 
@@ -133,14 +141,17 @@ class Decoder:
         draft: DraftClient | None,
         limits: DecodeLimits,
         instruments: Instruments,
+        auto: ServiceAuto,
         drain: Drain,
         log: logging.Logger,
     ) -> None:
         self._engine = engine
+        self._auto = auto
         self._model = model
         self._draft = draft
         self._tracer = instruments.tracer
         self._metrics = instruments.metrics
+        self._modes = instruments.modes
         self._model_name = instruments.model_name
         self._drain = drain
         self._log = log
@@ -206,15 +217,20 @@ class Decoder:
             request.prompt_ids, self._model.vocab_size, self._model.max_positions, max_new
         )
         k = requests.check_num_draft_tokens(request.num_draft_tokens or NUM_DRAFT_TOKENS)
-        if request.speculation not in common_pb2.SpeculationMode.values():
-            raise InvalidArgument(f"speculation: unknown mode {request.speculation}")
+        mode = request.speculation
+        if mode not in common_pb2.SpeculationMode.values():
+            raise InvalidArgument(f"speculation: unknown mode {mode}")
+        if mode == common_pb2.SPECULATION_MODE_UNSPECIFIED:
+            mode = common_pb2.SPECULATION_MODE_ON if request.num_draft_tokens else self.limits.default_mode
+        if mode == AUTO and request.num_draft_tokens:
+            raise InvalidArgument("num_draft_tokens: AUTO mode chooses k every round; set speculation ON for a fixed k")
         return Plan(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_ids=prompt,
             max_new_tokens=max_new,
             params=params,
             seed=request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(63),
-            speculate=request.speculation != common_pb2.SPECULATION_MODE_OFF,
+            mode=mode,
             num_draft_tokens=k,
         )
 
@@ -243,7 +259,8 @@ class Decoder:
             self._check_kv_budget(plan)
             queued_s = self.admission.acquire(timeout, done)
             admitted = True
-            span.set_attribute("specdec.queue_us", int(queued_s * 1e6))
+            span.set_attributes({"specdec.queue_us": int(queued_s * 1e6), "specdec.speculation.mode": MODE_NAMES[plan.mode]})
+            self._modes.sessions.add(1, {"mode": MODE_NAMES[plan.mode]})
             sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
             with self._lock:
                 self.totals.requests += 1
@@ -253,7 +270,7 @@ class Decoder:
             if done.is_set() and draft is not None:  # ended while the session was being opened
                 draft.interrupt()
             span.set_attributes(attrs.speculation(speculation))
-            if self._draft is not None and plan.speculate:
+            if self._draft is not None and self._wants_draft(plan):
                 span.set_attributes(attrs.pairing(self._draft.pairing))
             with self._tracer.start_span(attrs.TARGET_PREFILL, context=ctx, attributes={"gen_ai.usage.input_tokens": len(plan.prompt_ids)}):
                 self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed, plan.capacity))
@@ -302,6 +319,13 @@ class Decoder:
                 )
             yield final
 
+    def _short(self, plan: Plan) -> bool:
+        """An AUTO request too short for speculation to pay: it never contacts the draft."""
+        return plan.mode == AUTO and plan.max_new_tokens <= self._auto.policy.min_new_tokens
+
+    def _wants_draft(self, plan: Plan) -> bool:
+        return plan.mode == common_pb2.SPECULATION_MODE_ON or (plan.mode == AUTO and not self._short(plan))
+
     def _check_kv_budget(self, plan: Plan) -> None:
         need = plan.capacity * self._model.kv_bytes_per_token
         budget = self.session_kv_budget_bytes
@@ -320,22 +344,44 @@ class Decoder:
         ctx: otel_context.Context,
     ) -> Iterator[verify_pb2.DecodeChunk]:
         usage = UsageTally(prompt_tokens=len(plan.prompt_ids))
+        greedy = plan.params.temperature == 0
+        costs = self._auto.costs(greedy)
+        auto = self._auto.session(greedy) if plan.mode == AUTO and draft is not None else None
+        fell_back = False  # an AUTO session counted once among those that went target-only
         started = time.perf_counter()
         span, round_start = self._tracer.start_span(attrs.ROUND, context=ctx), time.perf_counter()
+        turn = self._choose(plan, usage, draft, auto)
+        previous: Choice | None = None
         try:
             for index in range(plan.max_new_tokens):
                 draft, speculation, chunk = self._round(
-                    sid, plan, index, usage, draft, speculation, trace.set_span_in_context(span)
+                    sid, plan, index, usage, draft, speculation, turn, trace.set_span_in_context(span)
                 )
                 stats = chunk.round
                 span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), usage.acceptance_rate))
-                if not speculation.speculating:
-                    span.set_attributes(attrs.speculation(speculation))
+                if not chunk.speculation.speculating:
+                    span.set_attributes(attrs.speculation(chunk.speculation))
+                # The first round also waits for the draft's prefill, and a probe after a
+                # target-only stretch for the draft to catch up: neither is a steady cost.
+                steady = index > 0 and not (turn.how == common_pb2.AUTO_CHOICE_PROBE and previous and previous.how == common_pb2.AUTO_CHOICE_LOW_GAIN)
+                if plan.mode == AUTO:
+                    span.set_attributes(attrs.auto_choice(stats, self._auto_reason(turn, previous)))
+                previous = turn
+                if auto is not None:
+                    auto.observe(stats.draft_tokens, stats.accepted_tokens, len(chunk.token_ids))
+                    if stats.auto_choice == common_pb2.AUTO_CHOICE_LOW_GAIN and not fell_back:
+                        fell_back = True
+                        self._modes.auto_fallbacks.add(1)
+                if stats.draft_tokens:
+                    self._auto.observe_alpha(stats.accepted_tokens, stats.accepted_tokens < stats.draft_tokens)
                 if not chunk.finish_reason:
                     # The next round starts now: its proposal is asked for before this
                     # round's tokens are sent, so the draft computes while they travel.
                     following, following_start = self._tracer.start_span(attrs.ROUND, context=ctx), time.perf_counter()
-                    draft, speculation = self._request_proposal(plan, usage, draft, speculation, following)
+                    if steady:
+                        costs.observe(stats.draft_tokens, stats.draft_time_us / 1e6, stats.verify_time_us / 1e6, following_start - round_start)
+                    turn = self._choose(plan, usage, draft, auto)
+                    draft, speculation = self._request_proposal(turn.k, draft, speculation, following)
                 span.end()
                 span = None
                 self._metrics.round_duration.record(time.perf_counter() - round_start)
@@ -360,28 +406,41 @@ class Decoder:
             if span is not None:
                 span.end()
 
+    def _choose(self, plan: Plan, usage: UsageTally, draft: DraftSession | None, auto: AutoSession | None) -> Choice:
+        """What the next round does: its k never proposes past the last position the
+        request may emit (so the last round is target-only)."""
+        if draft is None:
+            how = common_pb2.AUTO_CHOICE_SHORT_OUTPUT if self._short(plan) else common_pb2.AUTO_CHOICE_UNSPECIFIED
+            return Choice(0, how, 0.0, 0.0)
+        choice = auto.next() if auto is not None else Choice(plan.num_draft_tokens, common_pb2.AUTO_CHOICE_UNSPECIFIED, 0.0, 0.0)
+        remaining = plan.max_new_tokens - usage.completion_tokens
+        return replace(choice, k=min(choice.k, remaining - 1))
+
+    def _auto_reason(self, turn: Choice, previous: Choice | None) -> str:
+        """Why an AUTO round does what it does, when that changed since the round before."""
+        if previous is not None and previous.how == turn.how:
+            return ""
+        if turn.how == common_pb2.AUTO_CHOICE_SHORT_OUTPUT:
+            return f"max_new_tokens is at most {self._auto.policy.min_new_tokens}: target-only, no draft"
+        if turn.how == common_pb2.AUTO_CHOICE_BEST_K:
+            return f"speculating: k={turn.k} has the best expected gain, {turn.gain:.2f}x at α̂ {turn.alpha:.2f}"
+        if turn.how == common_pb2.AUTO_CHOICE_LOW_GAIN:
+            return f"target-only: the best expected gain is {turn.gain:.2f}x (below 1) at α̂ {turn.alpha:.2f}; a probe follows"
+        if turn.how == common_pb2.AUTO_CHOICE_PROBE:
+            return f"probing with k={turn.k}: measuring the acceptance and the draft's cost"
+        return "no draft: target-only"
+
     def _request_proposal(
-        self,
-        plan: Plan,
-        usage: UsageTally,
-        draft: DraftSession | None,
-        speculation: common_pb2.Speculation,
-        span: trace.Span,
+        self, k: int, draft: DraftSession | None, speculation: common_pb2.Speculation, span: trace.Span
     ) -> tuple[DraftSession | None, common_pb2.Speculation]:
-        """Asks the draft for the next round's proposal (under that round's span)."""
-        k = self._num_draft_tokens(plan, usage, draft)
-        if k > 0:
+        """Asks the draft for the next round's proposal of k tokens (under that round's span)."""
+        if k > 0 and draft is not None:
             try:
                 draft.request(k, traceparent(trace.set_span_in_context(span)))
             except DraftLost as lost:
                 speculation = self._lose_draft(draft, lost)
                 draft = None
         return draft, speculation
-
-    def _num_draft_tokens(self, plan: Plan, usage: UsageTally, draft: DraftSession | None) -> int:
-        """k of the next round: never propose past the last position the request may emit."""
-        remaining = plan.max_new_tokens - usage.completion_tokens
-        return min(plan.num_draft_tokens, remaining - 1) if draft is not None else 0
 
     def _lose_draft(self, draft: DraftSession, lost: DraftLost) -> common_pb2.Speculation:
         """The request goes on target-only; the pairing goes too if the draft is in doubt."""
@@ -398,18 +457,18 @@ class Decoder:
         usage: UsageTally,
         draft: DraftSession | None,
         speculation: common_pb2.Speculation,
+        turn: Choice,
         ctx: otel_context.Context,
     ) -> tuple[DraftSession | None, common_pb2.Speculation, verify_pb2.DecodeChunk]:
         """One round: proposal, verification, the chunk to stream (and the draft session
         and speculation state that the next round continues with)."""
         remaining = plan.max_new_tokens - usage.completion_tokens
-        k = self._num_draft_tokens(plan, usage, draft)
         proposal, draft_seconds, draft_compute = NO_DRAFT, 0.0, 0.0
-        if k > 0:
+        if turn.k > 0 and draft is not None:
             try:
                 start = time.perf_counter()
                 if not draft.requested:  # the first round; later ones were asked for by the round before
-                    draft.request(k, traceparent(ctx))
+                    draft.request(turn.k, traceparent(ctx))
                 proposal, draft_compute = draft.receive()
                 draft_seconds = time.perf_counter() - start
             except DraftLost as lost:
@@ -420,6 +479,8 @@ class Decoder:
             span.set_attributes({"specdec.positions": len(proposal.ids) + 1, "specdec.compute_us": int(verified.seconds * 1e6)})
         if draft is not None and proposal.ids:
             draft.commit(verified.accepted, verified.tokens[-1])
+        elif draft is not None:  # an AUTO target-only round: the draft learns its token with the next request
+            draft.append(verified.tokens)
 
         tokens, finish = self._cut(verified.tokens, remaining)
         stats = common_pb2.RoundStats(
@@ -434,12 +495,20 @@ class Decoder:
             draft_time_us=int(draft_seconds * 1e6),
             verify_time_us=int(verified.seconds * 1e6),
             draft_compute_us=int(draft_compute * 1e6),
+            mode=plan.mode,
+            auto_choice=turn.how,
+            expected_gain=turn.gain,
+            alpha_estimate=turn.alpha,
         )
         usage.add(stats, len(tokens))
         with self._lock:
             self.totals.proposed += stats.draft_tokens
             self.totals.accepted += stats.accepted_tokens
-        chunk = verify_pb2.DecodeChunk(token_ids=tokens, round=stats, speculation=speculation)
+        shown = speculation
+        if turn.how == common_pb2.AUTO_CHOICE_LOW_GAIN and speculation.speculating:
+            detail = f"AUTO: the best expected gain is {turn.gain:.2f}x at α̂ {turn.alpha:.2f}; target-only until the next probe"
+            shown = target_only(common_pb2.TARGET_ONLY_REASON_AUTO_LOW_GAIN, detail)
+        chunk = verify_pb2.DecodeChunk(token_ids=tokens, round=stats, speculation=shown)
         if finish:
             chunk.finish_reason = finish
             chunk.usage.CopyFrom(usage.to_proto())
@@ -457,8 +526,14 @@ class Decoder:
     def _open_draft(
         self, sid: str, plan: Plan, ctx: otel_context.Context, deadline: float | None
     ) -> tuple[DraftSession | None, common_pb2.Speculation]:
-        if not plan.speculate:
+        if plan.mode == common_pb2.SPECULATION_MODE_OFF:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request")
+        if self._short(plan):
+            detail = (
+                f"AUTO: max_new_tokens {plan.max_new_tokens} is at most {self._auto.policy.min_new_tokens} "
+                "(--auto-min-new-tokens), too short for speculation to pay"
+            )
+            return None, target_only(common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT, detail)
         if self._draft is None:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "no draft service is configured")
         try:

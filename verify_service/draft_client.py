@@ -308,10 +308,14 @@ class DraftSession:
             session_id=self.session_id, accepted=self._accepted, appended_ids=self._appended, num_tokens=num_tokens,
             traceparent=traceparent,
         )  # fmt: skip
+        # After target-only rounds the draft first feeds the tokens it missed: one more
+        # forward, longer than a step, that the deadline allows for as if a step each.
+        catch_up = max(0, len(self._appended) - 1)
+        self._accepted, self._appended = 0, []
         self._num_tokens = num_tokens
         self._requested_at = time.perf_counter()
         self._requests.put(request)
-        deadline = self.within_deadline(self._client.round_deadline_s(num_tokens))
+        deadline = self.within_deadline(self._client.round_deadline_s(num_tokens + catch_up))
         self._alarm = self._client.watchdog.arm(deadline, self._expire)
 
     def receive(self) -> tuple[DraftProposal, float]:
@@ -374,9 +378,13 @@ class DraftSession:
         return left if timeout_s is None else min(timeout_s, left)
 
     def commit(self, accepted: int, closing_token: int) -> None:
-        """Records what the verifier kept; sent with the next proposal request."""
+        """Records what the verifier kept of the last proposal; sent with the next request."""
         self._accepted = accepted
         self._appended = [closing_token]
+
+    def append(self, tokens: list[int]) -> None:
+        """Records tokens of target-only rounds; sent with the next request."""
+        self._appended.extend(tokens)
 
     def close(self) -> None:
         """Frees the draft's session without waiting (the draft may be stalled or gone)."""

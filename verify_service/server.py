@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,15 +18,18 @@ from specdec.flags import option, parse_config
 from specdec.host import HostProbe
 from specdec.pairing import PairingPolicy, base_record
 from specdec.runtime import CausalLM, ModelSpec
-from specdec.metrics import SpeculationMetrics, observe_peak_memory, observe_sessions
+from specdec.costs import forward_seconds
+from specdec.metrics import ModeMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions
 from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
 from specdec.idle import IdleSweeper
+from specdec.v1 import common_pb2
 from verify_service.admission import Limits
+from verify_service.auto_mode import AutoPolicy, ServiceAuto
 from verify_service.decoder import DecodeLimits, Decoder, Instruments, session_kv_budget
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
-from verify_service.verifier import Verifier
+from verify_service.verifier import Calibrate, Verifier
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class VerifyConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
+    speculation: str = option("auto", "speculation mode of a request that names none: auto, on or off")
+    auto_min_new_tokens: int = option(32, "AUTO mode: requests with max_new_tokens at most this run target-only")
     max_sessions: int = option(16, "most requests decoded at once (more wait in the queue); sizes the KV budget")
     max_queued: int = option(16, "most requests waiting for a session slot (more get RESOURCE_EXHAUSTED at once)")
     session_kv_mib: float = option(0.0, "KV cache one session may reserve, in MiB (larger requests get RESOURCE_EXHAUSTED); 0: the whole context")
@@ -112,8 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(config, HostProbe())
 
 
+MODES = {"auto": common_pb2.SPECULATION_MODE_AUTO, "on": common_pb2.SPECULATION_MODE_ON, "off": common_pb2.SPECULATION_MODE_OFF}
+
+
 def serve(config: VerifyConfig, probe: HostProbe) -> int:
     """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
+    if config.speculation not in MODES:
+        raise SystemExit(f"--speculation: must be one of {', '.join(MODES)}, not {config.speculation!r}")
     log = setup_logging("verify")
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
@@ -123,6 +134,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     limits = DecodeLimits(
         max_new_tokens=config.max_new_tokens_limit,
         admission=Limits(config.max_sessions, config.max_queued),
+        default_mode=MODES[config.speculation],
         session_kv_bytes=int(config.session_kv_mib * 2**20),
         idle_s=config.session_idle_s,
     )
@@ -134,6 +146,11 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
 
     verifier = Verifier(model)
     engine = Engine(verifier.execute, "verify-engine")
+    policy = AutoPolicy(min_new_tokens=config.auto_min_new_tokens)
+    positions = range(1, policy.k_max + 2)
+    started = time.perf_counter()
+    auto = ServiceAuto(policy, engine.run(Calibrate(lambda: forward_seconds(model, positions))))
+    log.info("measured the target's forward over 1..%d positions for AUTO mode in %.2f s", positions[-1], time.perf_counter() - started)
     draft = None
     if config.draft:
         deadlines = DraftDeadlines(
@@ -162,8 +179,8 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         record.detail = "no draft service is configured (--draft is empty)"
         return record
 
-    instruments = Instruments(telemetry.tracer, SpeculationMetrics(telemetry.meter), config.model)
-    decoder = Decoder(engine, model, draft, limits, instruments, service.drain, log)
+    instruments = Instruments(telemetry.tracer, SpeculationMetrics(telemetry.meter), ModeMetrics(telemetry.meter), config.model)
+    decoder = Decoder(engine, model, draft, limits, instruments, auto, service.drain, log)
     sweeper = IdleSweeper(config.session_idle_s, decoder.expire_idle, "verify-idle")
     observe_sessions(telemetry.meter, lambda: decoder.admission.active, "requests being decoded")
     observe_peak_memory(telemetry.meter, model.device)

@@ -9,6 +9,7 @@ the k+1 positions that verification needs. Target-only rounds are the same step 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,13 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Calibrate:
+    """A measurement to run on the model's thread (at startup, before any session)."""
+
+    measure: Callable[[], object]
+
+
+@dataclass(frozen=True)
 class Verified:
     accepted: int  # draft tokens accepted
     tokens: list[int]  # accepted draft tokens, then the closing token
@@ -74,7 +82,9 @@ class Verifier:
     prefills: int = 0
 
     def execute(self, steps: list[Prefill | Verify | Release]) -> list[object]:
-        return run_each(steps, {Prefill: self.prefill, Verify: self.verify, Release: self.release})
+        return run_each(
+            steps, {Prefill: self.prefill, Verify: self.verify, Release: self.release, Calibrate: lambda step: step.measure()}
+        )
 
     def prefill(self, step: Prefill) -> None:
         cache = self.model.new_cache(step.capacity)

@@ -10,6 +10,7 @@ class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_MODE_UNSPECIFIED: _ClassVar[SpeculationMode]
     SPECULATION_MODE_ON: _ClassVar[SpeculationMode]
     SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_AUTO: _ClassVar[SpeculationMode]
 
 class TargetOnlyReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -18,6 +19,16 @@ class TargetOnlyReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TARGET_ONLY_REASON_DRAFT_UNAVAILABLE: _ClassVar[TargetOnlyReason]
     TARGET_ONLY_REASON_DRAFT_TIMED_OUT: _ClassVar[TargetOnlyReason]
     TARGET_ONLY_REASON_DRAFT_REFUSED: _ClassVar[TargetOnlyReason]
+    TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT: _ClassVar[TargetOnlyReason]
+    TARGET_ONLY_REASON_AUTO_LOW_GAIN: _ClassVar[TargetOnlyReason]
+
+class AutoChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUTO_CHOICE_UNSPECIFIED: _ClassVar[AutoChoice]
+    AUTO_CHOICE_SHORT_OUTPUT: _ClassVar[AutoChoice]
+    AUTO_CHOICE_BEST_K: _ClassVar[AutoChoice]
+    AUTO_CHOICE_LOW_GAIN: _ClassVar[AutoChoice]
+    AUTO_CHOICE_PROBE: _ClassVar[AutoChoice]
 
 class ClosingToken(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,11 +45,19 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 SPECULATION_MODE_UNSPECIFIED: SpeculationMode
 SPECULATION_MODE_ON: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
+SPECULATION_MODE_AUTO: SpeculationMode
 TARGET_ONLY_REASON_UNSPECIFIED: TargetOnlyReason
 TARGET_ONLY_REASON_OFF_BY_REQUEST: TargetOnlyReason
 TARGET_ONLY_REASON_DRAFT_UNAVAILABLE: TargetOnlyReason
 TARGET_ONLY_REASON_DRAFT_TIMED_OUT: TargetOnlyReason
 TARGET_ONLY_REASON_DRAFT_REFUSED: TargetOnlyReason
+TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT: TargetOnlyReason
+TARGET_ONLY_REASON_AUTO_LOW_GAIN: TargetOnlyReason
+AUTO_CHOICE_UNSPECIFIED: AutoChoice
+AUTO_CHOICE_SHORT_OUTPUT: AutoChoice
+AUTO_CHOICE_BEST_K: AutoChoice
+AUTO_CHOICE_LOW_GAIN: AutoChoice
+AUTO_CHOICE_PROBE: AutoChoice
 CLOSING_TOKEN_UNSPECIFIED: ClosingToken
 CLOSING_TOKEN_CORRECTION: ClosingToken
 CLOSING_TOKEN_BONUS: ClosingToken
@@ -70,7 +89,7 @@ class Speculation(_message.Message):
     def __init__(self, speculating: _Optional[bool] = ..., reason: _Optional[_Union[TargetOnlyReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us")
+    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us", "mode", "auto_choice", "expected_gain", "alpha_estimate")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +97,10 @@ class RoundStats(_message.Message):
     DRAFT_TIME_US_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TIME_US_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    AUTO_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GAIN_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     index: int
     draft_tokens: int
     accepted_tokens: int
@@ -85,7 +108,11 @@ class RoundStats(_message.Message):
     draft_time_us: int
     verify_time_us: int
     draft_compute_us: int
-    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ...) -> None: ...
+    mode: SpeculationMode
+    auto_choice: AutoChoice
+    expected_gain: float
+    alpha_estimate: float
+    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ..., mode: _Optional[_Union[SpeculationMode, str]] = ..., auto_choice: _Optional[_Union[AutoChoice, str]] = ..., expected_gain: _Optional[float] = ..., alpha_estimate: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "rejections", "acceptance_rate", "alpha_hat")

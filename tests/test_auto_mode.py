@@ -1,0 +1,257 @@
+"""AUTO speculation: the choice of k as a pure function, a session's fall-back and probes,
+and, through real services, short requests that never reach the draft and a draft that
+keeps missing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec import defaults
+from specdec.speculation_gain import best_k, expected_tokens, gain
+from specdec.v1 import common_pb2
+from tests.helpers import draft_info, request, rpc_error, run
+from verify_service.auto_mode import AutoPolicy, AutoSession, Choice, ServedCosts, ServiceAuto
+
+PROMPT = "def parse_header(line):"
+LOW_GAIN = common_pb2.AUTO_CHOICE_LOW_GAIN
+PROBE = common_pb2.AUTO_CHOICE_PROBE
+BEST_K = common_pb2.AUTO_CHOICE_BEST_K
+
+
+def auto_request(max_new_tokens: int, text: str = PROMPT, **fields: object):
+    req = request(text, max_new_tokens=max_new_tokens, **fields)
+    req.speculation.mode = common_pb2.SPECULATION_MODE_AUTO
+    return req
+
+
+# --- the choice of k, against the formula -------------------------------------------------
+
+
+def test_gain_is_the_design_formula_on_its_worked_example():
+    # DESIGN.md: α̂ 0.8, k 4, c 0.1, v 1.05 gives a bound of about 2.3x.
+    assert expected_tokens(0.8, 4) == pytest.approx(1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4)
+    assert gain(0.8, 4, 0.1, 1.05) == pytest.approx(3.3616 / 1.45, rel=1e-9)
+    assert expected_tokens(1.0, 5) == 6.0
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.5, 0.7, 0.8, 0.9, 0.97])
+@pytest.mark.parametrize("c", [0.02, 0.1, 0.3])
+def test_best_k_maximises_the_formula(alpha: float, c: float):
+    v = {k: 1.0 + 0.03 * k + 0.002 * k * k for k in range(1, 17)}
+    by_hand = {k: sum(alpha**i for i in range(k + 1)) / (k * c + v[k]) for k in v}
+    k, g = best_k(alpha, c, v)
+    assert g == pytest.approx(max(by_hand.values()))
+    assert k == max(by_hand, key=by_hand.get)
+
+
+def test_best_k_grows_with_acceptance_and_shrinks_with_draft_cost():
+    v = {k: 1.0 + 0.05 * k for k in range(1, 17)}
+    ks = [best_k(alpha, 0.1, v)[0] for alpha in (0.5, 0.7, 0.85, 0.95)]
+    assert ks == sorted(ks) and ks[0] < ks[-1]
+    assert best_k(0.9, 0.02, v)[0] > best_k(0.9, 0.4, v)[0]
+    assert best_k(0.9, 0.1, v, k_max=3)[0] == 3
+
+
+def test_a_draft_that_never_hits_is_expected_to_lose():
+    v = {k: 1.0 + 0.05 * k for k in range(1, 17)}
+    assert best_k(0.0, 0.1, v)[1] < 1.0  # one token per round, for more than one token's cost
+    assert best_k(0.1, 0.1, v)[1] < 1.0
+    assert best_k(0.8, 0.1, v)[1] > 1.5
+
+
+# --- a session's decisions -----------------------------------------------------------------
+
+
+def costs_measured(costs: ServedCosts, step_s: float = 0.007, draft_per_token_s: float = 0.001) -> ServedCosts:
+    """Costs after three speculative rounds (k=4, 3 ms beyond the wait and the forward)
+    and three target-only rounds (2 ms beyond the forward), each forward as calibrated."""
+    for _ in range(3):
+        verify_5 = costs._forward[5]
+        costs.observe(4, 4 * draft_per_token_s, verify_5, 4 * draft_per_token_s + verify_5 + 0.003)
+        costs.observe(0, 0.0, costs._forward[1], costs._forward[1] + 0.002)
+    return costs
+
+
+def calibration(step_s: float = 0.007) -> dict[int, float]:
+    return {n: step_s * (1 + 0.04 * (n - 1)) for n in range(1, 18)}
+
+
+def test_costs_as_served_give_c_and_v_in_target_only_tokens():
+    costs = costs_measured(ServedCosts(calibration()))
+    c, v = costs.ratios()
+    token = 0.007 + 0.002  # a target-only round: forward plus the rest of the round
+    assert c == pytest.approx(0.001 / token)
+    assert v[4] == pytest.approx((0.007 * 1.16 + 0.003) / token)
+    assert sorted(v) == list(range(1, 17))
+    # One proposal that waited 50 ms (a stall) does not move the draft's cost.
+    costs.observe(4, 0.050, 0.007 * 1.16, 0.065)
+    assert costs.ratios()[0] == pytest.approx(0.001 / token)
+    # Speculative forwards served 50% slower than calibrated cost 50% more; target-only
+    # ones, measured apart, still as calibrated.
+    for _ in range(10):
+        costs.observe(2, 0.002, 0.007 * 1.08 * 1.5, 0.002 + 0.007 * 1.08 * 1.5 + 0.003)
+    c, v = costs.ratios()
+    assert v[4] == pytest.approx((0.007 * 1.16 * 1.5 + 0.003) / token)
+
+
+def test_the_drafts_cost_is_trusted_after_three_rounds():
+    costs = ServedCosts({n: 0.01 for n in range(1, 18)})
+    for _ in range(2):
+        costs.observe(4, 0.004, 0.011, 0.016)
+    assert costs.ratios() is None
+    costs.observe(4, 0.004, 0.011, 0.016)
+    assert costs.ratios() is not None
+
+
+def run_session(service: ServiceAuto, session: AutoSession, accept: Callable[[int], int], rounds: int) -> list[Choice]:
+    """Rounds as the decoder runs them: each proposal accepts accept(k) tokens."""
+    choices = []
+    for _ in range(rounds):
+        choice = session.next()
+        choices.append(choice)
+        accepted = accept(choice.k) if choice.k else 0
+        session.observe(choice.k, accepted, accepted + 1)
+        if choice.k:
+            service.observe_alpha(accepted, accepted < choice.k)
+    return choices
+
+
+def stretches(choices: list[Choice]) -> list[tuple[int, int]]:
+    """(how, length) of each run of equal choices."""
+    runs: list[tuple[int, int]] = []
+    for choice in choices:
+        if runs and runs[-1][0] == choice.how:
+            runs[-1] = (choice.how, runs[-1][1] + 1)
+        else:
+            runs.append((choice.how, 1))
+    return runs
+
+
+def test_a_session_whose_draft_keeps_missing_goes_target_only_and_probes_with_growing_pauses():
+    service = ServiceAuto(AutoPolicy(), calibration())
+    costs_measured(service.greedy)
+    choices = run_session(service, service.session(greedy=True), lambda k: 0, 600)
+    runs = stretches(choices)
+    assert runs[0][0] == BEST_K and runs[1][0] == LOW_GAIN
+    assert runs[0][1] <= 10, f"the fall-back took {runs[0][1]} missed rounds"
+    assert all(c.k == 0 and c.gain < 1 for c in choices if c.how == LOW_GAIN)
+    # Then target-only stretches of 32, 64, 128, 256 tokens, each ended by one probe.
+    assert runs[1:9] == [(LOW_GAIN, 32), (PROBE, 1), (LOW_GAIN, 64), (PROBE, 1), (LOW_GAIN, 128), (PROBE, 1), (LOW_GAIN, 256), (PROBE, 1)]
+    assert all(c.k == AutoPolicy().probe_k for c in choices if c.how == PROBE)
+
+
+def test_a_session_resumes_when_probes_hit():
+    service = ServiceAuto(AutoPolicy(), calibration())
+    costs_measured(service.greedy)
+    session = service.session(greedy=True)
+    missing = run_session(service, session, lambda k: 0, 30)
+    assert missing[-1].how == LOW_GAIN
+    # The text became predictable: every proposal is accepted whole from now on.
+    hitting = run_session(service, session, lambda k: k, 60)
+    first_probe = next(i for i, c in enumerate(hitting) if c.how == PROBE)
+    assert hitting[first_probe + 1].how == BEST_K and hitting[-1].how == BEST_K and hitting[-1].k >= 8
+
+
+def test_before_the_drafts_cost_is_known_a_session_probes():
+    service = ServiceAuto(AutoPolicy(), calibration())
+    first = service.session(greedy=True).next()
+    assert first.how == PROBE and first.k == AutoPolicy().probe_k
+    # Sampled requests' costs stand in for greedy ones until those are measured, and back.
+    costs_measured(service.sampled, draft_per_token_s=0.002)
+    assert service.ratios(greedy=True) == service.ratios(greedy=False) is not None
+    assert service.session(greedy=True).next().how == BEST_K
+    costs_measured(service.greedy)
+    assert service.ratios(greedy=True)[0] < service.ratios(greedy=False)[0]
+
+
+# --- through the services ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def far_stack(stack_factory, toy):
+    return stack_factory(toy.target, toy.far)
+
+
+def test_short_requests_never_contact_the_draft(far_stack):
+    before = draft_info(far_stack)
+    completion = run(far_stack, auto_request(32))
+    after = draft_info(far_stack)
+    assert len(completion.token_ids) == 32
+    assert (after.forwards, after.proposals) == (before.forwards, before.proposals)
+    for m in completion.messages:
+        assert m.round.mode == common_pb2.SPECULATION_MODE_AUTO
+        assert m.round.auto_choice == common_pb2.AUTO_CHOICE_SHORT_OUTPUT and m.round.draft_tokens == 0
+        assert m.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
+    # One token longer is past the threshold: the same request opens a draft session.
+    run(far_stack, auto_request(33))
+    assert draft_info(far_stack).forwards > after.forwards
+
+
+def test_every_auto_round_says_what_it_chose_and_the_output_stays_exact(far_stack):
+    # This toy draft is mostly wrong and costs about a target step, so AUTO mostly judges
+    # that speculation does not pay; whatever it chose, each round must say so consistently.
+    reference = run(far_stack, request(PROMPT, max_new_tokens=120, speculation=False))
+    completion = run(far_stack, auto_request(120))
+    assert completion.token_ids == reference.token_ids
+    for m in completion.messages[:-1]:
+        r = m.round
+        assert r.mode == common_pb2.SPECULATION_MODE_AUTO and 0 <= r.alpha_estimate <= 1
+        if r.auto_choice == BEST_K:
+            assert 1 <= r.draft_tokens <= 16 and r.expected_gain >= 1 and m.speculation.speculating
+        elif r.auto_choice == LOW_GAIN:
+            assert r.draft_tokens == 0 and r.expected_gain < 1 and not m.speculation.speculating
+        else:
+            assert r.auto_choice == PROBE and 1 <= r.draft_tokens <= AutoPolicy().probe_k
+
+
+def test_auto_on_the_default_pair_speculates_and_stays_exact(stack_factory):
+    stack = stack_factory(Path(defaults.DEFAULT_TARGET), Path(defaults.DEFAULT_DRAFT), args={"verify": ["--threads", "2"]})
+    prompt = defaults.heldout_prompts()[0]
+    reference = run(stack, request(prompt, max_new_tokens=200, speculation=False), timeout=120)
+    auto = [run(stack, auto_request(200, text=prompt), timeout=120) for _ in range(2)]
+    assert all(completion.token_ids == reference.token_ids for completion in auto)
+    chosen = [m.round for c in auto for m in c.messages if m.round.auto_choice == BEST_K]
+    # On this pair greedy speculation pays where the draft keeps up (the benchmark measures
+    # how much): AUTO speculates, each k chosen with an expected gain.
+    assert chosen and all(r.expected_gain >= 1 and 1 <= r.draft_tokens <= 16 for r in chosen)
+
+
+def test_a_draft_that_keeps_missing_falls_back_to_target_only_and_stays_exact(far_stack):
+    n = 240
+    reference = run(far_stack, request(PROMPT, max_new_tokens=n, speculation=False))
+    fixed = run(far_stack, request(PROMPT, max_new_tokens=n, k=4))
+    completion = run(far_stack, auto_request(n))
+    assert completion.token_ids == reference.token_ids == fixed.token_ids
+    rounds = [m.round for m in completion.messages]
+    low = [m for m in completion.messages if m.round.auto_choice == LOW_GAIN]
+    assert low and all(m.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_LOW_GAIN for m in low)
+    assert all(m.round.draft_tokens == 0 and m.round.expected_gain < 1 for m in low)
+    assert sum(r.auto_choice == PROBE for r in rounds) >= 2  # it probes again later
+    assert completion.usage.draft_tokens_proposed < fixed.usage.draft_tokens_proposed / 4
+
+
+def test_the_default_mode_is_auto_and_a_fixed_k_means_on(far_stack):
+    unset = request(PROMPT, max_new_tokens=40)
+    unset.ClearField("speculation")
+    assert run(far_stack, unset).messages[0].round.mode == common_pb2.SPECULATION_MODE_AUTO
+    fixed = request(PROMPT, max_new_tokens=40, k=3)
+    fixed.speculation.mode = common_pb2.SPECULATION_MODE_UNSPECIFIED
+    rounds = [m.round for m in run(far_stack, fixed).messages]
+    assert rounds[0].mode == common_pb2.SPECULATION_MODE_ON and rounds[0].draft_tokens == 3
+    both = auto_request(40)
+    both.speculation.num_draft_tokens = 3
+    err = rpc_error(far_stack, both)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_draft_tokens" in err.details()
+
+
+def test_the_servers_default_mode_is_a_flag(stack_factory, toy):
+    stack = stack_factory(toy.target, toy.same, args={"verify": ["--speculation", "on", "--auto-min-new-tokens", "8"]})
+    unset = request(PROMPT, max_new_tokens=20)
+    unset.ClearField("speculation")
+    assert all(m.round.mode == common_pb2.SPECULATION_MODE_ON for m in run(stack, unset).messages)
+    # --auto-min-new-tokens moves the threshold: 20 tokens now speculate under AUTO.
+    assert run(stack, auto_request(20)).usage.draft_tokens_proposed > 0

@@ -1,0 +1,209 @@
+"""AUTO speculation: the number of draft tokens of each round of a session.
+
+The gain of k draft tokens is DESIGN.md's E(k) / (k·c + v(k)) (specdec.speculation_gain),
+with every cost measured as this service serves it, in units of one target-only token:
+  T0    = a target-only round: the target's forward and acceptance over 1 position plus
+          the rest of that round (RPC, Python, sending the token)
+  c     = the draft's wait per proposed token / T0
+  v(k)  = (the target's forward and acceptance over k+1 positions + the rest of a
+          speculative round) / T0
+so a gain above 1 is an expected speedup over this service's own target-only rounds.
+A forward over n positions costs its calibration at startup times how much slower served
+rounds ran than theirs (acceptance, a longer context, the other processes), a ratio taken
+apart for speculative and target-only rounds; those ratios and the rest are medians over
+recent rounds, measured apart for greedy and for sampled requests, whose acceptance costs
+more.
+
+A session's α̂ is accepted / (accepted + rejections) over its rounds, older rounds
+decaying, with the service's running α̂ as a prior worth a few positions. While no k is
+expected to gain, the session runs target-only; after a stretch it probes with one
+speculative round, its α̂ starting again from the service's. Each stretch is twice the
+one before, unless the session speculated for STEADY_ROUNDS rounds in between.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.speculation_gain import best_k
+from specdec.v1 import common_pb2
+
+WINDOW = 32  # recent rounds whose median gives each measured cost
+MIN_DRAFT_SAMPLES = 3  # rounds measured before the draft's cost is trusted
+STEADY_ROUNDS = 8  # speculative rounds in a row after which a pause starts short again
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    min_new_tokens: int = 32  # requests with max_new_tokens at most this run target-only
+    k_max: int = 16
+    probe_k: int = 2  # k of a probe round (and of rounds before the draft's cost is known)
+    first_pause_tokens: int = 32  # target-only tokens before the first probe
+    max_pause_tokens: int = 256
+    decay: float = 0.95  # per round, of a session's acceptance counts
+    prior_alpha: float = 0.6  # the service's α̂ before any round
+    prior_weight: float = 4.0  # the service's α̂'s worth, in positions, in a session's
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the next round does under AUTO."""
+
+    k: int
+    how: common_pb2.AutoChoice
+    gain: float  # the chosen k's expected gain (the best k's when target-only); 0 if not computed
+    alpha: float  # the α̂ the choice used
+
+
+class _Window:
+    """The median of the last WINDOW samples: a proposal's wait swings from nothing (asked
+    for early, it was ready) to several steps, and one outlier must not steer k."""
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=WINDOW)
+
+    def add(self, sample: float) -> None:
+        self._samples.append(sample)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def median(self, default: float) -> float:
+        return statistics.median(self._samples) if self._samples else default
+
+
+class ServedCosts:
+    """One kind of request's (greedy or sampled) running costs. Thread-safe."""
+
+    def __init__(self, forward_s: dict[int, float]) -> None:
+        self._lock = threading.Lock()
+        self._forward = dict(forward_s)  # positions -> calibrated seconds of a forward
+        self._spec_scale = _Window()  # a speculative round's forward and acceptance / its calibration
+        self._solo_scale = _Window()  # the same for a target-only round
+        self._draft_per_token = _Window()  # a round's wait for its proposal / k
+        self._spec_rest = _Window()  # a speculative round's time beyond the wait, forward and acceptance
+        self._solo_rest = _Window()  # the same for a target-only round
+
+    def observe(self, k: int, draft_wait_s: float, verify_s: float, period_s: float) -> None:
+        """One steady round (not a session's first, nor a probe after a target-only stretch,
+        whose draft catches up on the tokens it missed): k draft tokens (0: target-only),
+        its wait for the proposal, its forward and acceptance, and its period (from its
+        start to the next round's)."""
+        rest = max(0.0, period_s - draft_wait_s - verify_s)
+        with self._lock:
+            if k + 1 not in self._forward:
+                return
+            if k:
+                self._spec_scale.add(verify_s / self._forward[k + 1])
+                self._draft_per_token.add(draft_wait_s / k)
+                self._spec_rest.add(rest)
+            else:
+                self._solo_scale.add(verify_s / self._forward[1])
+                self._solo_rest.add(rest)
+
+    def ratios(self) -> tuple[float, dict[int, float]] | None:
+        """(c, {k: v(k)}) in target-only tokens, or None while the draft's cost is unknown."""
+        with self._lock:
+            if len(self._draft_per_token) < MIN_DRAFT_SAMPLES:
+                return None
+            spec_scale, spec_rest = self._spec_scale.median(1.0), self._spec_rest.median(0.0)
+            # Until a target-only round is measured, assume it runs like a speculative one.
+            token = self._forward[1] * self._solo_scale.median(spec_scale) + self._solo_rest.median(spec_rest)
+            c = self._draft_per_token.median(0.0) / token
+            v = {n - 1: (seconds * spec_scale + spec_rest) / token for n, seconds in self._forward.items() if n > 1}
+        return c, v
+
+
+class ServiceAuto:
+    """The service's side of AUTO: the policy, the running costs and the α̂ prior."""
+
+    def __init__(self, policy: AutoPolicy, forward_s: dict[int, float]) -> None:
+        self.policy = policy
+        self.greedy = ServedCosts(forward_s)
+        self.sampled = ServedCosts(forward_s)
+        self._lock = threading.Lock()
+        self._accepted = 0.0
+        self._rejected = 0.0
+
+    def costs(self, greedy: bool) -> ServedCosts:
+        return self.greedy if greedy else self.sampled
+
+    def observe_alpha(self, accepted: int, rejected: bool) -> None:
+        """A speculative round of any session (the prior follows about the last 100)."""
+        with self._lock:
+            self._accepted = 0.99 * self._accepted + accepted
+            self._rejected = 0.99 * self._rejected + rejected
+
+    def prior_alpha(self) -> float:
+        with self._lock:
+            seen = self._accepted + self._rejected
+            return self._accepted / seen if seen else self.policy.prior_alpha
+
+    def ratios(self, greedy: bool) -> tuple[float, dict[int, float]] | None:
+        """c and v(k) of greedy or sampled requests; the other kind's until their own are
+        measured (a better first guess than none)."""
+        own, other = (self.greedy, self.sampled) if greedy else (self.sampled, self.greedy)
+        return own.ratios() or other.ratios()
+
+    def session(self, greedy: bool) -> AutoSession:
+        return AutoSession(self.policy, lambda: self.ratios(greedy), self.prior_alpha)
+
+
+class AutoSession:
+    """One request's AUTO state: its α̂, and whether it speculates or waits to probe.
+    Used by the request's own thread only."""
+
+    def __init__(
+        self, policy: AutoPolicy, ratios: Callable[[], tuple[float, dict[int, float]] | None], prior: Callable[[], float]
+    ) -> None:
+        self._policy = policy
+        self._ratios = ratios
+        self._prior_of_service = prior
+        self._prior = prior()
+        self._accepted = 0.0
+        self._rejected = 0.0
+        self._pause_left = 0  # target-only tokens before the next probe; 0: not paused
+        self._paused_gain = 0.0  # the best expected gain when the pause began
+        self._probe_due = False
+        self._next_pause = policy.first_pause_tokens
+        self._streak = 0  # speculative rounds chosen since the last pause
+
+    @property
+    def alpha(self) -> float:
+        w = self._policy.prior_weight
+        return (self._accepted + w * self._prior) / (self._accepted + self._rejected + w)
+
+    def observe(self, k: int, accepted: int, emitted: int) -> None:
+        """A round ran: k draft tokens (0: target-only), accepted of them, emitted tokens."""
+        if k:
+            d = self._policy.decay
+            self._accepted = d * self._accepted + accepted
+            self._rejected = d * self._rejected + (accepted < k)
+        elif self._pause_left:
+            self._pause_left = max(0, self._pause_left - emitted)
+            self._probe_due = self._pause_left == 0
+
+    def next(self) -> Choice:
+        """The next round's k (before the caller caps it at what the output has left)."""
+        if self._pause_left:
+            return Choice(0, common_pb2.AUTO_CHOICE_LOW_GAIN, self._paused_gain, self.alpha)
+        ratios = self._ratios()
+        if ratios is None or self._probe_due:  # the draft's cost is not measured yet, or a stretch ended
+            if self._probe_due:  # the text may have changed: start again from the service's α̂
+                self._probe_due = False
+                self._prior, self._accepted, self._rejected = self._prior_of_service(), 0.0, 0.0
+            return Choice(self._policy.probe_k, common_pb2.AUTO_CHOICE_PROBE, 0.0, self.alpha)
+        alpha = self.alpha
+        k, gain = best_k(alpha, *ratios, self._policy.k_max)
+        if gain >= 1.0:
+            self._streak += 1
+            return Choice(k, common_pb2.AUTO_CHOICE_BEST_K, gain, alpha)
+        if self._streak >= STEADY_ROUNDS:
+            self._next_pause = self._policy.first_pause_tokens
+        self._pause_left, self._paused_gain, self._streak = self._next_pause, gain, 0
+        self._next_pause = min(2 * self._next_pause, self._policy.max_pause_tokens)
+        return Choice(0, common_pb2.AUTO_CHOICE_LOW_GAIN, gain, alpha)
