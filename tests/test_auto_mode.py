@@ -214,7 +214,8 @@ def test_auto_on_the_default_pair_speculates_and_stays_exact(stack_factory):
     reference = run(stack, request(prompt, max_new_tokens=200, speculation=False), timeout=120)
     auto = [run(stack, auto_request(200, text=prompt), timeout=120) for _ in range(2)]
     assert all(completion.token_ids == reference.token_ids for completion in auto)
-    chosen = [m.round for c in auto for m in c.messages if m.round.auto_choice == BEST_K]
+    # (The last round of an output is cut to k = 0 when one token is left, whatever the choice.)
+    chosen = [m.round for c in auto for m in c.messages[:-1] if m.round.auto_choice == BEST_K]
     # On this pair greedy speculation pays where the draft keeps up (the benchmark measures
     # how much): AUTO speculates, each k chosen with an expected gain.
     assert chosen and all(r.expected_gain >= 1 and 1 <= r.draft_tokens <= 16 for r in chosen)
