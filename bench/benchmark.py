@@ -21,6 +21,7 @@ target-only on it: AUTO must notice where the draft keeps missing.
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import resource
@@ -246,23 +247,22 @@ def _mismatched_runs(
     with Stack(mismatched):
         gateway = mismatched.gateway_address
         ours_run(gateway, Job(0, prompts[0], 8, 0.0, 0), 0)  # one-off costs stay out of the figures
-        for repeat, (p, ids) in [(r, pair) for r in range(config.mismatched_repeats) for pair in enumerate(prompts)]:
-            for temperature in config.temperatures:
-                job = Job(p, ids, config.mismatched_length, temperature, seed=1000 * repeat + p)
-                order = (TARGET_ONLY, AUTO) if (p + repeat) % 2 == 0 else (AUTO, TARGET_ONLY)
-                runs = {column: ours_run(gateway, job, 0, auto=column == AUTO) for column in order}
-                for column in (TARGET_ONLY, AUTO):
-                    records.append(Record(column, temperature, job.length, p, repeat, runs[column]))
-                print(
-                    f"  mismatched draft, prompt {p}, T={temperature}: target-only {runs[TARGET_ONLY].tokens_per_s:.1f}, "
-                    f"auto {runs[AUTO].tokens_per_s:.1f} tokens/s",
-                    file=log,
-                    flush=True,
-                )
-                if temperature == 0.0:
-                    failure = _check_greedy(target, job, runs[TARGET_ONLY], records[-1])
-                    if failure:
-                        failures.append({**failure, "column": "mismatched auto"})
+        for repeat, (p, ids), temperature in itertools.product(range(config.mismatched_repeats), enumerate(prompts), config.temperatures):
+            job = Job(p, ids, config.mismatched_length, temperature, seed=1000 * repeat + p)
+            order = (TARGET_ONLY, AUTO) if (p + repeat) % 2 == 0 else (AUTO, TARGET_ONLY)
+            runs = {column: ours_run(gateway, job, 0, auto=column == AUTO) for column in order}
+            for column in (TARGET_ONLY, AUTO):
+                records.append(Record(column, temperature, job.length, p, repeat, runs[column]))
+            print(
+                f"  mismatched draft, prompt {p}, T={temperature}: target-only {runs[TARGET_ONLY].tokens_per_s:.1f}, "
+                f"auto {runs[AUTO].tokens_per_s:.1f} tokens/s",
+                file=log,
+                flush=True,
+            )
+            if temperature == 0.0:
+                failure = _check_greedy(target, job, runs[TARGET_ONLY], records[-1])
+                if failure:
+                    failures.append({**failure, "column": "mismatched auto"})
     return records
 
 

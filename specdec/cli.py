@@ -16,16 +16,12 @@ import grpc
 from google.protobuf import json_format
 
 from specdec import defaults, doctor
+from specdec.requests import SPECULATION_MODES as MODES
 from specdec.client import connect, generate
 from specdec.launcher import Stack, StackConfig, StackError
-from specdec.v1 import common_pb2, generation_pb2
+from specdec.v1 import generation_pb2
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split an HTTP header line into its name and value."""\n'
-MODES = {
-    "auto": common_pb2.SPECULATION_MODE_AUTO,
-    "on": common_pb2.SPECULATION_MODE_ON,
-    "off": common_pb2.SPECULATION_MODE_OFF,
-}
 
 
 def _env(name: str, default: str) -> str:

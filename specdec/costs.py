@@ -31,6 +31,11 @@ class Costs:
     context: int  # cached tokens behind each measured forward
 
 
+def _prefix(model: CausalLM, length: int) -> list[int]:
+    """Stand-in context: spread token ids, the same for every measurement."""
+    return [(i * 7919) % model.vocab_size for i in range(length)]
+
+
 def _timed(model: CausalLM, cache, ids: list[int]) -> float:
     length = cache.length
     start = time.perf_counter()
@@ -62,10 +67,9 @@ def measure_costs(
     """threads: (target, draft) torch threads, as the two services run them; None keeps
     this process's setting for both."""
     target_threads, draft_threads = threads or (torch.get_num_threads(),) * 2
-    prefix = [(i * 7919) % target.vocab_size for i in range(context)]
     target_cache, draft_cache = target.new_cache(), draft.new_cache()
-    target.forward(target_cache, prefix)
-    draft.forward(draft_cache, prefix)
+    target.forward(target_cache, _prefix(target, context))
+    draft.forward(draft_cache, _prefix(target, context))
     steps, drafts, ratios_c = [], [], []
     ratios_v: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(repeats):
@@ -95,7 +99,7 @@ def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 12
     forwards = model.forwards
     context = max(1, min(context, model.max_positions - max(positions)))
     cache = model.new_cache(context + max(positions))
-    model.forward(cache, [(i * 7919) % model.vocab_size for i in range(context)])
+    model.forward(cache, _prefix(model, context))
     _timed(model, cache, [1])  # the first forward after a prefill pays for its allocations
     seconds = {n: min(_timed(model, cache, [1] * n) for _ in range(repeats)) for n in positions}
     model.forwards = forwards  # calibration is not service work

@@ -13,6 +13,14 @@ from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
 
+# The speculation modes by the names that flags, span attributes and metric labels use.
+SPECULATION_MODES = {
+    "auto": common_pb2.SPECULATION_MODE_AUTO,
+    "on": common_pb2.SPECULATION_MODE_ON,
+    "off": common_pb2.SPECULATION_MODE_OFF,
+}
+MODE_NAMES = {mode: name for name, mode in SPECULATION_MODES.items()}
+
 
 def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
     if not (math.isfinite(msg.temperature) and msg.temperature >= 0):

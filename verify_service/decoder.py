@@ -43,7 +43,6 @@ from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
 
 SPECULATING = common_pb2.Speculation(speculating=True)
 AUTO = common_pb2.SPECULATION_MODE_AUTO
-MODE_NAMES = {common_pb2.SPECULATION_MODE_ON: "on", common_pb2.SPECULATION_MODE_OFF: "off", AUTO: "auto"}
 RECENT_CAPACITY = 10_000  # finished requests remembered for RecentRequests
 DEFAULT_RECENT = 100
 
@@ -259,8 +258,9 @@ class Decoder:
             self._check_kv_budget(plan)
             queued_s = self.admission.acquire(timeout, done)
             admitted = True
-            span.set_attributes({"specdec.queue_us": int(queued_s * 1e6), "specdec.speculation.mode": MODE_NAMES[plan.mode]})
-            self._modes.sessions.add(1, {"mode": MODE_NAMES[plan.mode]})
+            mode = requests.MODE_NAMES[plan.mode]
+            span.set_attributes({"specdec.queue_us": int(queued_s * 1e6), "specdec.speculation.mode": mode})
+            self._modes.sessions.add(1, {"mode": mode})
             sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
             with self._lock:
                 self.totals.requests += 1
@@ -361,9 +361,7 @@ class Decoder:
                 span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), usage.acceptance_rate))
                 if not chunk.speculation.speculating:
                     span.set_attributes(attrs.speculation(chunk.speculation))
-                # The first round also waits for the draft's prefill, and a probe after a
-                # target-only stretch for the draft to catch up: neither is a steady cost.
-                steady = index > 0 and not (turn.how == common_pb2.AUTO_CHOICE_PROBE and previous and previous.how == common_pb2.AUTO_CHOICE_LOW_GAIN)
+                steady = self._steady(index, turn, previous)
                 if plan.mode == AUTO:
                     span.set_attributes(attrs.auto_choice(stats, self._auto_reason(turn, previous)))
                 previous = turn
@@ -415,6 +413,14 @@ class Decoder:
         choice = auto.next() if auto is not None else Choice(plan.num_draft_tokens, common_pb2.AUTO_CHOICE_UNSPECIFIED, 0.0, 0.0)
         remaining = plan.max_new_tokens - usage.completion_tokens
         return replace(choice, k=min(choice.k, remaining - 1))
+
+    @staticmethod
+    def _steady(index: int, turn: Choice, previous: Choice | None) -> bool:
+        """Whether a round's costs are a steady sample: not the first round (it also waits
+        for the draft's prefill), nor a probe after a target-only stretch (the draft first
+        catches up on the tokens it missed)."""
+        after_pause = previous is not None and previous.how == common_pb2.AUTO_CHOICE_LOW_GAIN
+        return index > 0 and not (turn.how == common_pb2.AUTO_CHOICE_PROBE and after_pause)
 
     def _auto_reason(self, turn: Choice, previous: Choice | None) -> str:
         """Why an AUTO round does what it does, when that changed since the round before."""

@@ -24,7 +24,7 @@ from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
 from specdec.idle import IdleSweeper
-from specdec.v1 import common_pb2
+from specdec.requests import SPECULATION_MODES
 from verify_service.admission import Limits
 from verify_service.auto_mode import AutoPolicy, ServiceAuto
 from verify_service.decoder import DecodeLimits, Decoder, Instruments, session_kv_budget
@@ -118,13 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(config, HostProbe())
 
 
-MODES = {"auto": common_pb2.SPECULATION_MODE_AUTO, "on": common_pb2.SPECULATION_MODE_ON, "off": common_pb2.SPECULATION_MODE_OFF}
-
-
 def serve(config: VerifyConfig, probe: HostProbe) -> int:
     """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
-    if config.speculation not in MODES:
-        raise SystemExit(f"--speculation: must be one of {', '.join(MODES)}, not {config.speculation!r}")
+    if config.speculation not in SPECULATION_MODES:
+        raise SystemExit(f"--speculation: must be one of {', '.join(SPECULATION_MODES)}, not {config.speculation!r}")
     log = setup_logging("verify")
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
@@ -134,7 +131,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     limits = DecodeLimits(
         max_new_tokens=config.max_new_tokens_limit,
         admission=Limits(config.max_sessions, config.max_queued),
-        default_mode=MODES[config.speculation],
+        default_mode=SPECULATION_MODES[config.speculation],
         session_kv_bytes=int(config.session_kv_mib * 2**20),
         idle_s=config.session_idle_s,
     )
