@@ -92,15 +92,25 @@ def measure_costs(
     )
 
 
-def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one forward over n new positions behind `context` cached tokens (the
-    fastest of `repeats`: the other services may be starting beside it), for each n in
-    positions: what the verify service starts its AUTO costs from."""
+def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 128, repeats: int = 7) -> dict[int, float]:
+    """Seconds of one forward over n new positions behind `context` cached tokens, for each
+    n in positions: what the verify service starts its AUTO costs from. The curve is not
+    monotonic on CPUs (gemm blocking: 5 positions can cost less than 4), so its shape
+    matters, and the other services may be loading beside it: each repetition times a
+    single-position forward and then every n, and a forward's cost is the fastest
+    single-position forward times the median of its per-repetition ratios, so contention
+    that slows a whole repetition leaves the shape alone."""
     forwards = model.forwards
     context = max(1, min(context, model.max_positions - max(positions)))
     cache = model.new_cache(context + max(positions))
     model.forward(cache, _prefix(model, context))
     _timed(model, cache, [1])  # the first forward after a prefill pays for its allocations
-    seconds = {n: min(_timed(model, cache, [1] * n) for _ in range(repeats)) for n in positions}
+    ones: list[float] = []
+    ratios: dict[int, list[float]] = {n: [] for n in positions}
+    for _ in range(repeats):
+        one = _timed(model, cache, [1])
+        ones.append(one)
+        for n in positions:
+            ratios[n].append(_timed(model, cache, [1] * n) / one)
     model.forwards = forwards  # calibration is not service work
-    return seconds
+    return {n: min(ones) * statistics.median(r) for n, r in ratios.items()}

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from specdec import costs as costs_module
 from specdec import defaults
+from specdec.costs import forward_seconds
 from specdec.speculation_gain import best_k, expected_tokens, gain
 from specdec.v1 import common_pb2
 from tests.helpers import draft_info, request, rpc_error, run
@@ -105,6 +108,37 @@ def test_the_drafts_cost_is_trusted_after_three_rounds():
     assert costs.ratios() is None
     costs.observe(4, 0.004, 0.011, 0.016)
     assert costs.ratios() is not None
+
+
+class ClockedModel:
+    """A model whose forwards advance a fake clock: n positions cost cost_s[n], times 3
+    while other processes load (the forwards in `busy`, a burst of contention)."""
+
+    vocab_size = 100
+    max_positions = 1024
+    forwards = 0
+
+    def __init__(self, cost_s: dict[int, float], busy: range) -> None:
+        self.cost_s, self.busy, self.now, self.calls = cost_s, busy, 0.0, 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def new_cache(self, capacity: int) -> SimpleNamespace:
+        return SimpleNamespace(length=0, rollback=lambda length: None)
+
+    def forward(self, cache: SimpleNamespace, ids: list[int]) -> None:
+        self.now += self.cost_s.get(len(ids), 0.001) * (3.0 if self.calls in self.busy else 1.0)
+        self.calls += 1
+
+
+def test_the_forward_calibration_keeps_its_shape_under_a_burst_of_contention(monkeypatch):
+    # A CPU's sawtooth (5 positions cheaper than 4), which decides the best k.
+    cost_s = {n: 0.006 * (1 + 0.3 * ((n - 1) % 4) + 0.05 * (n - 1)) for n in range(1, 18)}
+    model = ClockedModel(cost_s, busy=range(20, 60))  # three of seven repetitions, in part
+    monkeypatch.setattr(costs_module.time, "perf_counter", model.clock)
+    measured = forward_seconds(model, range(1, 18))
+    assert measured == pytest.approx(cost_s)
 
 
 def run_session(service: ServiceAuto, session: AutoSession, accept: Callable[[int], int], rounds: int) -> list[Choice]:

@@ -15,10 +15,11 @@ recent rounds, measured apart for greedy and for sampled requests, whose accepta
 more.
 
 A session's α̂ is accepted / (accepted + rejections) over its rounds, older rounds
-decaying, with the service's running α̂ as a prior worth a few positions. While no k is
-expected to gain, the session runs target-only; after a stretch it probes with one
-speculative round, its α̂ starting again from the service's. Each stretch is twice the
-one before, unless the session speculated for STEADY_ROUNDS rounds in between.
+decaying, with the service's running α̂ (every session's recent rounds, this one's too)
+as a prior worth prior_weight positions. While no k is expected to gain, the session runs
+target-only; after a stretch it probes with one speculative round, its α̂ starting again
+from the service's. Each stretch is twice the one before, unless the session speculated
+for STEADY_ROUNDS rounds in between.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class AutoPolicy:
     max_pause_tokens: int = 256
     decay: float = 0.95  # per round, of a session's acceptance counts
     prior_alpha: float = 0.6  # the service's α̂ before any round
-    prior_weight: float = 4.0  # the service's α̂'s worth, in positions, in a session's
+    prior_weight: float = 8.0  # the service's α̂'s worth, in positions, in a session's
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class ServiceAuto:
 
     def __init__(self, policy: AutoPolicy, forward_s: dict[int, float]) -> None:
         self.policy = policy
+        self.forward_s = dict(forward_s)  # positions -> calibrated seconds of a forward
         self.greedy = ServedCosts(forward_s)
         self.sampled = ServedCosts(forward_s)
         self._lock = threading.Lock()
@@ -162,8 +164,7 @@ class AutoSession:
     ) -> None:
         self._policy = policy
         self._ratios = ratios
-        self._prior_of_service = prior
-        self._prior = prior()
+        self._prior = prior  # the service's α̂ now: it falls as soon as a draft misses everywhere
         self._accepted = 0.0
         self._rejected = 0.0
         self._pause_left = 0  # target-only tokens before the next probe; 0: not paused
@@ -175,7 +176,7 @@ class AutoSession:
     @property
     def alpha(self) -> float:
         w = self._policy.prior_weight
-        return (self._accepted + w * self._prior) / (self._accepted + self._rejected + w)
+        return (self._accepted + w * self._prior()) / (self._accepted + self._rejected + w)
 
     def observe(self, k: int, accepted: int, emitted: int) -> None:
         """A round ran: k draft tokens (0: target-only), accepted of them, emitted tokens."""
@@ -194,8 +195,7 @@ class AutoSession:
         ratios = self._ratios()
         if ratios is None or self._probe_due:  # the draft's cost is not measured yet, or a stretch ended
             if self._probe_due:  # the text may have changed: start again from the service's α̂
-                self._probe_due = False
-                self._prior, self._accepted, self._rejected = self._prior_of_service(), 0.0, 0.0
+                self._probe_due, self._accepted, self._rejected = False, 0.0, 0.0
             return Choice(self._policy.probe_k, common_pb2.AUTO_CHOICE_PROBE, 0.0, self.alpha)
         alpha = self.alpha
         k, gain = best_k(alpha, *ratios, self._policy.k_max)

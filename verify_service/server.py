@@ -147,7 +147,12 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     positions = range(1, policy.k_max + 2)
     started = time.perf_counter()
     auto = ServiceAuto(policy, engine.run(Calibrate(lambda: forward_seconds(model, positions))))
-    log.info("measured the target's forward over 1..%d positions for AUTO mode in %.2f s", positions[-1], time.perf_counter() - started)
+    log.info(
+        "measured the target's forward over 1..%d positions for AUTO mode in %.2f s (ms: %s)",
+        positions[-1],
+        time.perf_counter() - started,
+        " ".join(f"{n}:{s * 1e3:.2f}" for n, s in auto.forward_s.items()),
+    )
     draft = None
     if config.draft:
         deadlines = DraftDeadlines(
