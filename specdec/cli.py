@@ -16,9 +16,9 @@ import grpc
 from google.protobuf import json_format
 
 from specdec import defaults, doctor
-from specdec.requests import SPECULATION_MODES as MODES
 from specdec.client import connect, generate
 from specdec.launcher import Stack, StackConfig, StackError
+from specdec.requests import SPECULATION_MODES as MODES
 from specdec.v1 import generation_pb2
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split an HTTP header line into its name and value."""\n'

@@ -124,7 +124,6 @@ class ServiceAuto:
 
     def __init__(self, policy: AutoPolicy, forward_s: dict[int, float]) -> None:
         self.policy = policy
-        self.forward_s = dict(forward_s)  # positions -> calibrated seconds of a forward
         self.greedy = ServedCosts(forward_s)
         self.sampled = ServedCosts(forward_s)
         self._lock = threading.Lock()

@@ -146,12 +146,13 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     policy = AutoPolicy(min_new_tokens=config.auto_min_new_tokens)
     positions = range(1, policy.k_max + 2)
     started = time.perf_counter()
-    auto = ServiceAuto(policy, engine.run(Calibrate(lambda: forward_seconds(model, positions))))
+    forward_s = engine.run(Calibrate(lambda: forward_seconds(model, positions)))
+    auto = ServiceAuto(policy, forward_s)
     log.info(
         "measured the target's forward over 1..%d positions for AUTO mode in %.2f s (ms: %s)",
         positions[-1],
         time.perf_counter() - started,
-        " ".join(f"{n}:{s * 1e3:.2f}" for n, s in auto.forward_s.items()),
+        " ".join(f"{n}:{s * 1e3:.2f}" for n, s in forward_s.items()),
     )
     draft = None
     if config.draft:
