@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from specdec.v1 import pairing_pb2
+
+if TYPE_CHECKING:  # importing transformers takes seconds: clients (specdec generate) never need it
+    from transformers import PreTrainedTokenizerBase
 
 BLOCK = 256  # vocabulary ids per block digest
 
@@ -54,6 +56,8 @@ def fingerprint(tokenizer: PreTrainedTokenizerBase) -> pairing_pb2.TokenizerFing
 
 def load_fingerprint(model_path: str) -> pairing_pb2.TokenizerFingerprint:
     """The fingerprint of the tokenizer stored with a model; present=False when it has none."""
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from specdec.defaults import MAX_DRAFT_TOKENS
 from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
+
+if TYPE_CHECKING:  # specdec.sampling imports torch (seconds): the CLI client never needs it
+    from specdec.sampling import SamplingParams
 
 # The speculation modes by the names that flags, span attributes and metric labels use.
 SPECULATION_MODES = {
@@ -29,6 +32,8 @@ def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"top_k: must be >= 0, got {msg.top_k}")
     if not 0 < msg.top_p <= 1:
         raise InvalidArgument(f"top_p: must be in (0, 1], got {msg.top_p}")
+    from specdec.sampling import SamplingParams
+
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p)
 
 

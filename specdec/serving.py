@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from transformers.utils import logging as transformers_logging
 
 from specdec.errors import Unavailable
 
@@ -25,6 +24,8 @@ UNIX_PREFIX = "unix://"
 
 
 def setup_logging(service: str) -> logging.Logger:
+    from transformers.utils import logging as transformers_logging  # not at import: clients import this module
+
     transformers_logging.disable_progress_bar()  # service logs are line-oriented
     logging.basicConfig(
         level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"),

@@ -23,6 +23,7 @@ PROMPT = "def parse_header(line):"
 LOW_GAIN = common_pb2.AUTO_CHOICE_LOW_GAIN
 PROBE = common_pb2.AUTO_CHOICE_PROBE
 BEST_K = common_pb2.AUTO_CHOICE_BEST_K
+PAUSE_BELOW = AutoPolicy().pause_below
 
 
 def auto_request(max_new_tokens: int, text: str = PROMPT, **fields: object):
@@ -172,10 +173,24 @@ def test_a_session_whose_draft_keeps_missing_goes_target_only_and_probes_with_gr
     runs = stretches(choices)
     assert runs[0][0] == BEST_K and runs[1][0] == LOW_GAIN
     assert runs[0][1] <= 10, f"the fall-back took {runs[0][1]} missed rounds"
-    assert all(c.k == 0 and c.gain < 1 for c in choices if c.how == LOW_GAIN)
+    assert all(c.k == 0 and c.gain < PAUSE_BELOW for c in choices if c.how == LOW_GAIN)
     # Then target-only stretches of 32, 64, 128, 256 tokens, each ended by one probe.
     assert runs[1:9] == [(LOW_GAIN, 32), (PROBE, 1), (LOW_GAIN, 64), (PROBE, 1), (LOW_GAIN, 128), (PROBE, 1), (LOW_GAIN, 256), (PROBE, 1)]
     assert all(c.k == AutoPolicy().probe_k for c in choices if c.how == PROBE)
+
+
+def test_a_gain_just_under_1_keeps_speculating_and_a_clear_loss_pauses():
+    """Hysteresis: a pause costs a probe and restarts α̂, so a best gain within α̂'s noise
+    of 1 keeps the session speculating; only one below pause_below pauses it."""
+    c, v = 0.1, {k: 1.2 + 0.05 * k for k in range(1, 17)}
+
+    def first_choice(alpha: float) -> Choice:
+        return AutoSession(AutoPolicy(), lambda: (c, v), lambda: alpha).next()
+
+    just_under = next(a / 1000 for a in range(1000) if 0.93 < best_k(a / 1000, c, v)[1] < 0.97)
+    clear_loss = next(a / 1000 for a in range(1000) if 0.80 < best_k(a / 1000, c, v)[1] < 0.85)
+    assert first_choice(just_under).how == BEST_K and first_choice(just_under).gain < 1
+    assert first_choice(clear_loss).how == LOW_GAIN
 
 
 def test_a_session_resumes_when_probes_hit():
@@ -235,9 +250,9 @@ def test_every_auto_round_says_what_it_chose_and_the_output_stays_exact(far_stac
         r = m.round
         assert r.mode == common_pb2.SPECULATION_MODE_AUTO and 0 <= r.alpha_estimate <= 1
         if r.auto_choice == BEST_K:
-            assert 1 <= r.draft_tokens <= 16 and r.expected_gain >= 1 and m.speculation.speculating
+            assert 1 <= r.draft_tokens <= 16 and r.expected_gain >= PAUSE_BELOW and m.speculation.speculating
         elif r.auto_choice == LOW_GAIN:
-            assert r.draft_tokens == 0 and r.expected_gain < 1 and not m.speculation.speculating
+            assert r.draft_tokens == 0 and r.expected_gain < PAUSE_BELOW and not m.speculation.speculating
         else:
             assert r.auto_choice == PROBE and 1 <= r.draft_tokens <= AutoPolicy().probe_k
 
@@ -252,7 +267,7 @@ def test_auto_on_the_default_pair_speculates_and_stays_exact(stack_factory):
     chosen = [m.round for c in auto for m in c.messages[:-1] if m.round.auto_choice == BEST_K]
     # On this pair greedy speculation pays where the draft keeps up (the benchmark measures
     # how much): AUTO speculates, each k chosen with an expected gain.
-    assert chosen and all(r.expected_gain >= 1 and 1 <= r.draft_tokens <= 16 for r in chosen)
+    assert chosen and all(r.expected_gain >= PAUSE_BELOW and 1 <= r.draft_tokens <= 16 for r in chosen)
 
 
 def test_a_draft_that_keeps_missing_falls_back_to_target_only_and_stays_exact(far_stack):
@@ -264,7 +279,7 @@ def test_a_draft_that_keeps_missing_falls_back_to_target_only_and_stays_exact(fa
     rounds = [m.round for m in completion.messages]
     low = [m for m in completion.messages if m.round.auto_choice == LOW_GAIN]
     assert low and all(m.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_LOW_GAIN for m in low)
-    assert all(m.round.draft_tokens == 0 and m.round.expected_gain < 1 for m in low)
+    assert all(m.round.draft_tokens == 0 and m.round.expected_gain < PAUSE_BELOW for m in low)
     assert sum(r.auto_choice == PROBE for r in rounds) >= 2  # it probes again later
     assert completion.usage.draft_tokens_proposed < fixed.usage.draft_tokens_proposed / 4
 

@@ -3,10 +3,15 @@ draft was lost, says so and why in every later message, and loses or repeats not
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
-from specdec.v1 import common_pb2
+import pytest
+
+from specdec.pairing import PairingPolicy
+from specdec.v1 import common_pb2, pairing_pb2
+from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from tests.helpers import request, run
 
 PROMPT = "def speculative_decode(prompt, draft, target, k=4):"
@@ -86,4 +91,23 @@ def test_draft_address_with_nobody_listening(toy, stack_factory, tmp_path):
     assert time.monotonic() - started < 10
     reference = run(stack, request(PROMPT, max_new_tokens=32, speculation=False))
     assert completion.token_ids == reference.token_ids
-    assert all(m.speculation.reason == UNAVAILABLE for m in completion.messages)
+    states = [m.speculation for m in completion.messages]
+    # Whether the request met the startup handshake's outcome (its wait ran out) or a
+    # fresh handshake that found no socket, nothing answered: unavailable, not timed out.
+    assert all(s.reason == UNAVAILABLE for s in states), {s.detail for s in states}
+
+
+def test_a_startup_wait_that_runs_out_is_unavailable_and_answered_until_the_retry(tmp_path):
+    """The waited-for handshake at startup runs out on DEADLINE_EXCEEDED; that means no
+    draft answered, not that one missed a round's deadline, and requests that arrive
+    within a second of it get the same answer without a new handshake."""
+    deadlines = DraftDeadlines(factor=3.0, floor_s=0.1, open_s=1.0)
+    client = DraftClient(f"unix://{tmp_path}/nobody.sock", deadlines, pairing_pb2.PeerFacts, PairingPolicy(), logging.getLogger("test"))
+    with pytest.raises(DraftLost) as at_startup:
+        client.attach(wait_s=0.3)
+    assert at_startup.value.reason == UNAVAILABLE
+    assert "nobody.sock" in str(at_startup.value) and "0.3 s" in str(at_startup.value)
+    assert client.pairing.state == pairing_pb2.PAIRING_STATE_UNREACHABLE
+    with pytest.raises(DraftLost) as next_request:
+        client.attach()
+    assert next_request.value is at_startup.value

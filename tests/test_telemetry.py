@@ -262,7 +262,7 @@ def test_a_dead_collector_does_not_slow_generation(toy, stack_factory, traced, r
         run(traced, req), run(live, req)  # warm both
         times: dict[str, list[float]] = {"dead": [], "live": []}
         pair = [("dead", traced), ("live", live)]
-        for i in range(21):  # interleaved, first one then the other, so that noise hits both alike
+        for i in range(11):  # interleaved, first one then the other, so that noise hits both alike
             for name, stack in pair[:: 1 if i % 2 else -1]:
                 completion = run(stack, req)
                 assert len(completion.token_ids) == 128

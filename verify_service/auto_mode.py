@@ -16,10 +16,11 @@ more.
 
 A session's α̂ is accepted / (accepted + rejections) over its rounds, older rounds
 decaying, with the service's running α̂ (every session's recent rounds, this one's too)
-as a prior worth prior_weight positions. While no k is expected to gain, the session runs
-target-only; after a stretch it probes with one speculative round, its α̂ starting again
-from the service's. Each stretch is twice the one before, unless the session speculated
-for STEADY_ROUNDS rounds in between.
+as a prior worth prior_weight positions. While no k is expected to gain (the best gain is
+below pause_below, a margin under 1 for α̂'s noise), the session runs target-only; after
+a stretch it probes with one speculative round, its α̂ starting again from the service's.
+Each stretch is twice the one before, unless the session speculated for STEADY_ROUNDS
+rounds in between.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class AutoPolicy:
     decay: float = 0.95  # per round, of a session's acceptance counts
     prior_alpha: float = 0.6  # the service's α̂ before any round
     prior_weight: float = 8.0  # the service's α̂'s worth, in positions, in a session's
+    # A session pauses when the best expected gain falls below this, not below 1: a gain
+    # just under 1 is within a session's α̂ noise (a few misses), while a pause costs a
+    # probe and restarts α̂ from the service's, so pausing there loses where k pays.
+    pause_below: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ class AutoSession:
             return Choice(self._policy.probe_k, common_pb2.AUTO_CHOICE_PROBE, 0.0, self.alpha)
         alpha = self.alpha
         k, gain = best_k(alpha, *ratios, self._policy.k_max)
-        if gain >= 1.0:
+        if gain >= self._policy.pause_below:
             self._streak += 1
             return Choice(k, common_pb2.AUTO_CHOICE_BEST_K, gain, alpha)
         if self._streak >= STEADY_ROUNDS:

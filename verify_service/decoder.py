@@ -431,7 +431,7 @@ class Decoder:
         if turn.how == common_pb2.AUTO_CHOICE_BEST_K:
             return f"speculating: k={turn.k} has the best expected gain, {turn.gain:.2f}x at α̂ {turn.alpha:.2f}"
         if turn.how == common_pb2.AUTO_CHOICE_LOW_GAIN:
-            return f"target-only: the best expected gain is {turn.gain:.2f}x (below 1) at α̂ {turn.alpha:.2f}; a probe follows"
+            return f"target-only: the best expected gain is {turn.gain:.2f}x (below {self._auto.policy.pause_below:g}) at α̂ {turn.alpha:.2f}; a probe follows"
         if turn.how == common_pb2.AUTO_CHOICE_PROBE:
             return f"probing with k={turn.k}: measuring the acceptance and the draft's cost"
         return "no draft: target-only"

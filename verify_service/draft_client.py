@@ -149,11 +149,9 @@ class DraftClient:
                 raise self._lost
         own = self._own_facts()
         request = pairing_pb2.PairRequest(verifier=own, allow_different_tokenizer=self._policy.allow_different_tokenizer)
+        timeout_s = wait_s if wait_s > 0 else min(self.deadlines.open_s, RETRY_S)
         try:
-            if wait_s > 0:
-                response = self._stub.Pair(request, timeout=wait_s, wait_for_ready=True)
-            else:
-                response = self._stub.Pair(request, timeout=min(self.deadlines.open_s, RETRY_S))
+            response = self._stub.Pair(request, timeout=timeout_s, wait_for_ready=wait_s > 0)
         except grpc.RpcError as error:
             record = base_record(self._transport, own)
             record.status = error.code().name
@@ -166,7 +164,13 @@ class DraftClient:
                 lost = DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_REFUSED, record.detail)
             else:
                 record.state = pairing_pb2.PAIRING_STATE_UNREACHABLE
-                lost = DraftLost.from_rpc(error, "pairing handshake")
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Not a round's deadline (DRAFT_TIMED_OUT): nothing answered at all,
+                    # which is what a draft that is not listening looks like while waited for.
+                    detail = f"no draft service answered the pairing handshake at {self.address} within {timeout_s:g} s"
+                    lost = DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail)
+                else:
+                    lost = DraftLost.from_rpc(error, "pairing handshake")
                 record.detail = str(lost)
             self._settle(record, "", lost)
             raise lost from None
