@@ -46,6 +46,7 @@ from specdec.lossless import first_divergence
 from specdec.runtime import CausalLM, ModelSpec
 
 PROMPT_MAX_TOKENS = 96  # held-out prompts are cut to this many tokens
+MID = 256  # outputs of at most this many tokens run mid_repeats times
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class BenchConfig:
     ks: tuple[int, ...] = (2, 4, 6, 8)
     repeats: int = 1
     short_repeats: int = 3  # repeats of the jobs of at most SHORT tokens: a fraction of a second each, noisy
+    mid_repeats: int = 3  # repeats of the other jobs of at most MID tokens: their gains are within run-to-run noise
     mismatched_repeats: int = 2
     verify_threads: int = 2  # torch threads of the verify service
     draft_threads: int = 1  # torch threads of the draft service (its default)
@@ -66,12 +68,20 @@ class BenchConfig:
     mismatched_length: int = 256  # output length of the runs with the mismatched draft
     out: Path = Path("bench/results/cpu")
 
+    def repeats_of(self, length: int) -> int:
+        if length <= SHORT:
+            return self.repeats * max(1, self.short_repeats)
+        return self.repeats * max(1, self.mid_repeats) if length <= MID else self.repeats
+
     @property
     def columns(self) -> list[str]:
         return [TARGET_ONLY, AUTO, *(f"k={k}" for k in self.ks), PEER_PLAIN, PEER_DEFAULT, PEER_CONSTANT]
 
 
-QUICK = dict(prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128, mismatched_length=128, short_repeats=1, mismatched_repeats=1)
+QUICK = dict(
+    prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128, mismatched_length=128, short_repeats=1, mid_repeats=1,
+    mismatched_repeats=1,
+)  # fmt: skip
 
 
 @dataclass
@@ -165,27 +175,29 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
 
         jobs = [
             (repeat, Job(p, ids, length, temperature, seed=1000 * repeat + p))
-            for repeat in range(config.repeats * max(1, config.short_repeats))
+            for repeat in range(max(map(config.repeats_of, config.lengths)))
             for p, ids in enumerate(prompts)
             for temperature in config.temperatures
             for length in config.lengths
-            if repeat < config.repeats or length <= SHORT
+            if repeat < config.repeats_of(length)
         ]
         progress = Progress(len(jobs) * len(config.columns), log)
         records: list[Record] = []
         failures: list[dict] = []
-        for repeat, job in jobs:
-            reference: Run | None = None
-            for column in config.columns:
+        for index, (repeat, job) in enumerate(jobs):
+            # Each job starts at another column, so that whatever the position in the
+            # sequence costs (a cold cache after a peer's run, say) falls on every column alike.
+            shift = index % len(config.columns)
+            job_records: dict[str, Record] = {}
+            for column in config.columns[shift:] + config.columns[:shift]:
                 k = _column_k(column, best_k[job.temperature])
                 run = _run_column(column, job, gateway, peer, k)
-                record = Record(column, job.temperature, job.length, job.prompt_index, repeat, run, k)
-                records.append(record)
-                progress.tick(record)
-                if column == TARGET_ONLY:
-                    reference = run
-                elif (column.startswith("k=") or column == AUTO) and job.temperature == 0.0:
-                    failure = _check_greedy(target, job, reference, record)
+                job_records[column] = Record(column, job.temperature, job.length, job.prompt_index, repeat, run, k)
+                records.append(job_records[column])
+                progress.tick(job_records[column])
+            for column, record in job_records.items():
+                if job.temperature == 0.0 and (column.startswith("k=") or column == AUTO):
+                    failure = _check_greedy(target, job, job_records[TARGET_ONLY].run, record)
                     if failure:
                         failures.append(failure)
                         print(f"  GREEDY MISMATCH: {failure}", file=log, flush=True)

@@ -38,41 +38,59 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> ToyModels:
 StackFactory = Callable[..., Stack]
 
 
+NO_EXPORT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""}
+
+
+def start_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+    target: Path,
+    draft: Path,
+    with_draft: bool = True,
+    args: dict[str, list[str]] | None = None,
+    draft_tcp: str = "",
+    programs: dict[str, list[str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> Stack:
+    # unix socket paths must stay under ~100 characters
+    workdir = Path(tmp_path_factory.mktemp("stack", numbered=True))
+    config = StackConfig(
+        target=str(target),
+        draft=str(draft),
+        workdir=workdir,
+        gateway_address=f"127.0.0.1:{free_port()}",
+        with_draft=with_draft,
+        extra_args=args or {},
+        draft_tcp=draft_tcp,
+        programs=programs or {},
+        env=env or {},
+    )
+    stack = Stack(config)
+    try:
+        stack.start()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="session")
+def shared_stack(toy: ToyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The default stack (toy target, close draft over a unix socket, default flags, no
+    trace export), started once for the tests that only send it requests and read it:
+    starting a stack costs seconds of CPU per service."""
+    stack = start_stack(tmp_path_factory, toy.target, toy.close, env=NO_EXPORT)
+    yield stack
+    stack.stop()
+
+
 @pytest.fixture(scope="module")
 def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFactory]:
     """Starts real draft/verify/gateway processes; all are stopped when the module ends."""
     stacks: list[Stack] = []
 
-    def start(
-        target: Path,
-        draft: Path,
-        with_draft: bool = True,
-        args: dict[str, list[str]] | None = None,
-        draft_tcp: str = "",
-        programs: dict[str, list[str]] | None = None,
-        env: dict[str, str] | None = None,
-    ) -> Stack:
-        # unix socket paths must stay under ~100 characters
-        workdir = Path(tmp_path_factory.mktemp("stack", numbered=True))
-        config = StackConfig(
-            target=str(target),
-            draft=str(draft),
-            workdir=workdir,
-            gateway_address=f"127.0.0.1:{free_port()}",
-            with_draft=with_draft,
-            extra_args=args or {},
-            draft_tcp=draft_tcp,
-            programs=programs or {},
-            env=env or {},
-        )
-        stack = Stack(config)
-        stacks.append(stack)
-        try:
-            stack.start()
-        except BaseException:
-            stack.stop()
-            raise
-        return stack
+    def start(target: Path, draft: Path, **kwargs) -> Stack:
+        stacks.append(start_stack(tmp_path_factory, target, draft, **kwargs))
+        return stacks[-1]
 
     yield start
     # Together: each stop waits for its services' graceful shutdown, seconds apiece.

@@ -51,8 +51,8 @@ def generate_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def stack(toy, stack_factory):
-    return stack_factory(toy.target, toy.close)
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from models import recipe
@@ -35,9 +36,19 @@ def test_recipe_runs_end_to_end_at_toy_scale_and_repeats(tmp_path):
     assert prompts and all(p["file"].endswith(".py") and p["prompt"] for p in prompts)
     assert set(first["evaluation"]) >= {"heldout_loss", "acceptance_rate", "distinct_4gram_mean", "costs"}
     assert first["evaluation"]["greedy_divergences"] == []  # speculation stayed lossless
+    assert first["machine"].endswith(f"training in {str(recipe.training_dtype('auto')).removeprefix('torch.')}")
     second = recipe.run(recipe.TOY, tmp_path / "b")  # same seed: same pair, same figures
     assert (tmp_path / "a" / "target" / "model.safetensors").read_bytes() == (tmp_path / "b" / "target" / "model.safetensors").read_bytes()
     assert second["evaluation"]["acceptance_rate"] == first["evaluation"]["acceptance_rate"]
+
+
+def test_training_runs_in_bfloat16_only_on_a_cpu_with_bfloat16_instructions():
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    assert recipe.native_bf16() == bool({"avx512_bf16", "amx_tile"} & set(flags))
+    assert recipe.training_dtype("auto") == (torch.bfloat16 if recipe.native_bf16() else torch.float32)
+    assert recipe.training_dtype("float32") == torch.float32
+    with pytest.raises(ValueError, match="precision must be one of"):
+        recipe.training_dtype("float16")
 
 
 def test_heldout_split_is_by_file():

@@ -45,8 +45,8 @@ def assert_refused_streams(stack: Stack, *needles: str) -> None:
         assert message.round.draft_tokens == 0
 
 
-def test_unix_socket_draft_pairs(toy, stack_factory):
-    stack = stack_factory(toy.target, toy.close)
+def test_unix_socket_draft_pairs(toy, shared_stack):
+    stack = shared_stack
     pairing = verify_info(stack).pairing
     assert pairing.state == pairing_pb2.PAIRING_STATE_PAIRED
     assert pairing.transport == pairing_pb2.TRANSPORT_UNIX_SOCKET
