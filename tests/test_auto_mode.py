@@ -4,6 +4,7 @@ keeps missing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,11 @@ LOW_GAIN = common_pb2.AUTO_CHOICE_LOW_GAIN
 PROBE = common_pb2.AUTO_CHOICE_PROBE
 BEST_K = common_pb2.AUTO_CHOICE_BEST_K
 PAUSE_BELOW = AutoPolicy().pause_below
+
+
+def heldout_prompt(file: str) -> str:
+    """The committed held-out prompt taken from this stdlib file."""
+    return next(p["prompt"] for p in json.loads(defaults.HELDOUT_PROMPTS.read_text()) if p["file"] == file)
 
 
 def auto_request(max_new_tokens: int, text: str = PROMPT, **fields: object):
@@ -259,7 +265,10 @@ def test_every_auto_round_says_what_it_chose_and_the_output_stays_exact(far_stac
 
 def test_auto_on_the_default_pair_speculates_and_stays_exact(stack_factory):
     stack = stack_factory(Path(defaults.DEFAULT_TARGET), Path(defaults.DEFAULT_DRAFT), args={"verify": ["--threads", "2"]})
-    prompt = defaults.heldout_prompts()[0]
+    # The held-out prompt the committed draft follows best (greedy α̂ 0.96-1.0, expected gains
+    # of 1.4-3.4 here): on prompts where α̂ is near 0.6 the gain is near 1, and whether AUTO
+    # speculates there rightly turns on the machine's measured costs.
+    prompt = heldout_prompt("struct.py")
     reference = run(stack, request(prompt, max_new_tokens=200, speculation=False), timeout=120)
     auto = [run(stack, auto_request(200, text=prompt), timeout=120) for _ in range(2)]
     assert all(completion.token_ids == reference.token_ids for completion in auto)
