@@ -60,7 +60,7 @@ class BenchConfig:
     repeats: int = 1
     short_repeats: int = 3  # repeats of the jobs of at most SHORT tokens: a fraction of a second each, noisy
     mid_repeats: int = 3  # repeats of the other jobs of at most MID tokens: their gains are within run-to-run noise
-    mismatched_repeats: int = 2
+    mismatched_repeats: int = 4  # single pairs of runs spread ±6% around a ratio a few percent under 1: 24 pairs, not 12
     verify_threads: int = 2  # torch threads of the verify service
     draft_threads: int = 1  # torch threads of the draft service (its default)
     peer_threads: int = 2  # torch threads of transformers' generate in this process
