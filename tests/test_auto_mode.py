@@ -4,7 +4,6 @@ keeps missing."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,11 +24,6 @@ LOW_GAIN = common_pb2.AUTO_CHOICE_LOW_GAIN
 PROBE = common_pb2.AUTO_CHOICE_PROBE
 BEST_K = common_pb2.AUTO_CHOICE_BEST_K
 PAUSE_BELOW = AutoPolicy().pause_below
-
-
-def heldout_prompt(file: str) -> str:
-    """The committed held-out prompt taken from this stdlib file."""
-    return next(p["prompt"] for p in json.loads(defaults.HELDOUT_PROMPTS.read_text()) if p["file"] == file)
 
 
 def auto_request(max_new_tokens: int, text: str = PROMPT, **fields: object):
@@ -268,7 +262,7 @@ def test_auto_on_the_default_pair_speculates_and_stays_exact(stack_factory):
     # A held-out prompt the committed draft follows (greedy α̂ 1.0 over 200 tokens, expected
     # gains 1.45-3.4 here): where α̂ is near 0.6, as on the first prompt, the gain is near 1,
     # and whether AUTO speculates there rightly turns on the machine's measured costs.
-    prompt = heldout_prompt("struct.py")
+    prompt = defaults.heldout_prompts_by_file()["struct.py"]
     reference = run(stack, request(prompt, max_new_tokens=200, speculation=False), timeout=120)
     auto = [run(stack, auto_request(200, text=prompt), timeout=120) for _ in range(2)]
     assert all(completion.token_ids == reference.token_ids for completion in auto)
