@@ -38,6 +38,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
+from models.muon import Muon
 from specdec.costs import measure_costs
 from specdec.lossless import first_divergence
 from specdec.offline import speculate
@@ -48,6 +49,7 @@ EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", 
 MODELS_DIR = Path(__file__).resolve().parent
 PROMPTS_FILE = "heldout_prompts.json"
 PRECISIONS = ("auto", "bfloat16", "float32")  # auto: bfloat16 where the CPU computes it natively
+OPTIMIZERS = ("adamw", "muon")  # the target's; the draft always trains with AdamW
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class Recipe:
     short_seq: int = 512  # most steps train on windows this long ...
     long_every: int = 8  # ... and every this-many-th step on full-context windows
     target_lr: float = 1e-3
+    target_optimizer: str = "adamw"  # one of OPTIMIZERS
+    muon_lr: float = 0.02  # peak learning rate of the target's Muon-trained weight matrices
     draft_lr: float = 3e-3
     prompts: int = 24  # held-out prompts written and evaluated
     prompt_lines: int = 12  # a prompt is the first lines of a held-out file ...
@@ -186,11 +190,20 @@ def pretraining_batch(ids: torch.Tensor, recipe: Recipe, step: int, generator: t
     return windows(ids, max(1, recipe.batch_tokens // seq), seq + 1, generator)
 
 
-def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
+def optimizers(model: torch.nn.Module, lr: float, kind: str = "adamw", muon_lr: float = 0.02) -> list[torch.optim.Optimizer]:
+    """AdamW for every parameter; or Muon for the transformer blocks' weight matrices and
+    AdamW for the rest (embeddings, norms, biases). A group's "scale" is its peak learning
+    rate over lr, which the schedule multiplies."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    hidden = [p for name, p in model.named_parameters() if kind == "muon" and p.dim() == 2 and ".h." in name]
+    decay = [p for p in model.parameters() if p.dim() >= 2 and not any(p is h for h in hidden)]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": 0.1, "scale": 1.0}, {"params": rest, "weight_decay": 0.0, "scale": 1.0}]
+    chosen: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))]
+    if hidden:
+        chosen.append(Muon([{"params": hidden, "scale": muon_lr / lr}], lr=muon_lr))
+    return chosen
 
 
 def cosine(peak: float, steps: int) -> Callable[[int], float]:
@@ -206,21 +219,28 @@ def cosine(peak: float, steps: int) -> Callable[[int], float]:
     return lr_at
 
 
-def train(model: GPT2LMHeadModel, name: str, steps: int, lr_at: Callable[[int], float], step_loss) -> dict:
-    """Runs `steps` optimiser steps of step_loss(step) -> (loss, tokens), with progress lines."""
+def train(
+    model: GPT2LMHeadModel, name: str, steps: int, lr_at: Callable[[int], float], step_loss,
+    opts: list[torch.optim.Optimizer], after_step: Callable[[int, int], None] | None = None,
+) -> dict:  # fmt: skip
+    """Runs `steps` optimiser steps of step_loss(step) -> (loss, tokens), with progress
+    lines; after_step(steps done, tokens so far) runs after each (and may evaluate)."""
     model.train()
-    opt = optimizer(model, lr_at(0))
     start, tokens, every = time.perf_counter(), 0, max(1, steps // 40)
     recent: list[float] = []
     for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step) * group["scale"]
         loss, step_tokens = step_loss(step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         tokens += step_tokens
+        if after_step is not None:
+            after_step(step + 1, tokens)
         recent = (recent + [loss.item()])[-every:]
         if (step + 1) % every == 0 or step + 1 == steps:
             elapsed = time.perf_counter() - start
@@ -475,7 +495,8 @@ def run(recipe: Recipe, out: Path) -> dict:
         batch = pretraining_batch(train_ids, recipe, step, data)
         return next_token_loss(fast_target, batch, dtype), batch[:, 1:].numel()
 
-    target_stats = train(target, "target", recipe.target_steps, cosine(recipe.target_lr, recipe.target_steps), pretraining_loss)
+    target_opts = optimizers(target, recipe.target_lr, recipe.target_optimizer, recipe.muon_lr)
+    target_stats = train(target, "target", recipe.target_steps, cosine(recipe.target_lr, recipe.target_steps), pretraining_loss, target_opts)
     save(target, tokenizer, out / "target")
     # The teacher is the saved target, exactly as the services will run it.
     saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).eval()
@@ -488,7 +509,10 @@ def run(recipe: Recipe, out: Path) -> dict:
         batch = distillation_batch(train_ids, continuations, recipe, step, data)
         return distillation_loss(teacher, fast_draft, batch, dtype), batch[:, 1:].numel()
 
-    draft_stats = train(draft, "draft", recipe.draft_steps, cosine(recipe.draft_lr, recipe.draft_steps), distillation_step)
+    draft_stats = train(
+        draft, "draft", recipe.draft_steps, cosine(recipe.draft_lr, recipe.draft_steps), distillation_step,
+        optimizers(draft, recipe.draft_lr),
+    )  # fmt: skip
     save(draft, tokenizer, out / "draft")
 
     evaluation = evaluate(out / "target", out / "draft", prompts, train_ids, eval_ids, recipe)
@@ -525,8 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         "--precision", choices=PRECISIONS, default="auto",
         help="arithmetic of the training forwards; auto: bfloat16 where the CPU has bfloat16 instructions, else float32",
     )  # fmt: skip
+    parser.add_argument("--target-optimizer", choices=OPTIMIZERS, default="adamw", help="the target's optimiser (the draft's is AdamW)")
     args = parser.parse_args(argv)
-    run(dataclasses.replace(TOY if args.toy else Recipe(), precision=args.precision), args.out)
+    recipe = dataclasses.replace(TOY if args.toy else Recipe(), precision=args.precision, target_optimizer=args.target_optimizer)
+    run(recipe, args.out)
     return 0
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from models import recipe
+from models import learning_curve, recipe
+from models.muon import Muon, orthogonalise
 from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS_DIR
 from specdec.offline import speculate
 from specdec.runtime import CausalLM, ModelSpec
@@ -150,3 +151,44 @@ def test_generate_through_the_default_pair(tmp_path):
 def test_recipe_has_help():
     result = subprocess.run([sys.executable, "-m", "models.recipe", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--toy" in result.stdout
+
+
+def test_orthogonalise_keeps_the_directions_and_flattens_the_singular_values():
+    generator = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(64, 32, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator))
+    update = u @ torch.diag(torch.logspace(-1, 1, 32)) @ v.T  # singular values 0.1 .. 10
+    rotated = u.T @ orthogonalise(update) @ v  # diagonal if the singular vectors are kept
+    assert torch.allclose(rotated, torch.diag(torch.diagonal(rotated)), atol=1e-4)
+    assert torch.diagonal(rotated).min() > 0.5 and torch.diagonal(rotated).max() < 1.5
+
+
+def test_a_first_muon_step_is_the_orthogonalised_gradient_scaled_by_the_shape():
+    weight = torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(1)))
+    before = weight.detach().clone()
+    (weight**3).sum().backward()
+    gradient = weight.grad.clone()
+    Muon([weight], lr=0.1).step()
+    assert torch.allclose(weight.detach(), before - 0.1 * 2**0.5 * orthogonalise(gradient), atol=1e-6)
+
+
+def test_muon_trains_the_block_matrices_and_adamw_the_rest():
+    model = recipe.new_gpt2(recipe.TOY.target, AutoTokenizer.from_pretrained(DEFAULT_TARGET), 64)
+    adamw, muon = recipe.optimizers(model, 1e-3, "muon", 0.02)
+    in_muon = {id(p) for group in muon.param_groups for p in group["params"]}
+    in_adamw = {id(p) for group in adamw.param_groups for p in group["params"]}
+    blocks = {id(p) for name, p in model.named_parameters() if name.startswith("transformer.h.") and p.dim() == 2}
+    assert in_muon == blocks and not in_muon & in_adamw
+    assert in_muon | in_adamw == {id(p) for p in model.parameters()}
+    assert muon.param_groups[0]["scale"] == 20 and [g["scale"] for g in adamw.param_groups] == [1.0, 1.0]
+    assert len(recipe.optimizers(model, 1e-3)) == 1
+
+
+def test_learning_curve_reports_loss_and_repetition_as_it_trains(tmp_path):
+    curve = learning_curve.Curve(
+        shape=recipe.TOY.target, optimizer="muon", steps=4, evals=2, new_tokens=8, eval_tokens=512, max_files=6
+    )  # fmt: skip
+    points = learning_curve.run(curve, Path(DEFAULT_TARGET), tmp_path / "target")
+    assert [p["step"] for p in points] == [2, 4] and 0 < points[0]["tokens"] < points[1]["tokens"]
+    assert all(0 < p["heldout_loss"] < 10 and 0 <= p["distinct_mean"] <= p["distinct_max"] <= 1 for p in points)
+    assert CausalLM.load(ModelSpec(str(tmp_path / "target"))).parameters > 0
