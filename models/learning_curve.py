@@ -60,11 +60,9 @@ def run(curve: Curve, tokenizer_dir: Path, save: Path | None) -> list[dict]:
     torch.manual_seed(curve.seed)
     recipe = dataclasses.replace(R.Recipe(), target=curve.shape, short_seq=curve.short_seq, seed=curve.seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    sources = R.stdlib_sources(0)
-    train_files = [s for s in sources if not R.is_heldout(s.path, recipe.heldout_every)]
+    train_files, heldout_files = R.split_by_file(R.stdlib_sources(0), recipe.heldout_every)
     train_ids = R.encode_files(tokenizer, train_files[: curve.max_files or None])
-    eval_ids = R.encode_files(tokenizer, [s for s in sources if R.is_heldout(s.path, recipe.heldout_every)])
-    eval_ids = eval_ids[: curve.eval_tokens]
+    eval_ids = R.encode_files(tokenizer, heldout_files)[: curve.eval_tokens]
     prompts = heldout_prompts()
     model = (
         GPT2LMHeadModel.from_pretrained(curve.init, dtype=torch.float32) if curve.init

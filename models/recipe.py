@@ -129,6 +129,11 @@ def is_heldout(path: str, every: int) -> bool:
     return int(hashlib.sha256(path.encode()).hexdigest(), 16) % every == 0
 
 
+def split_by_file(sources: list[Source], every: int) -> tuple[list[Source], list[Source]]:
+    """(training files, held-out files)."""
+    return [s for s in sources if not is_heldout(s.path, every)], [s for s in sources if is_heldout(s.path, every)]
+
+
 # 2. tokenizer -------------------------------------------------------------------------
 
 
@@ -197,7 +202,8 @@ def optimizers(model: torch.nn.Module, lr: float, kind: str = "adamw", muon_lr: 
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
     hidden = [p for name, p in model.named_parameters() if kind == "muon" and p.dim() == 2 and ".h." in name]
-    decay = [p for p in model.parameters() if p.dim() >= 2 and not any(p is h for h in hidden)]
+    in_muon = {id(p) for p in hidden}
+    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in in_muon]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1, "scale": 1.0}, {"params": rest, "weight_decay": 0.0, "scale": 1.0}]
     chosen: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))]
@@ -475,8 +481,7 @@ def run(recipe: Recipe, out: Path) -> dict:
     dtype = training_dtype(recipe.precision)
     started = time.perf_counter()
     sources = stdlib_sources(recipe.max_files)
-    train_files = [s for s in sources if not is_heldout(s.path, recipe.heldout_every)]
-    heldout_files = [s for s in sources if is_heldout(s.path, recipe.heldout_every)]
+    train_files, heldout_files = split_by_file(sources, recipe.heldout_every)
     log(f"[corpus] {len(train_files)} training files, {len(heldout_files)} held-out files; training in {dtype}")
 
     tokenizer = train_tokenizer([s.text for s in train_files], recipe.vocab_size)
