@@ -15,7 +15,11 @@ seconds-long run at tiny sizes, as the test suite does).
    unigram baseline, greedy acceptance at k=4 on the held-out prompts, distinct 4-grams
    of 256-token greedy continuations, forward costs; into report.json and model cards.
 
-Fixed seeds and fixed step counts: a rerun on the same machine gives the same pair.
+Fixed seeds and fixed step counts: a rerun on the same CPU gives the same pair; on a GPU
+the same up to its nondeterministic kernels (two H200 runs of one target recipe ended at
+held-out losses 3.349 and 3.346).
+Steps 1-4 can run on a GPU (`--preset h200 --train-only`) and step 5 later on the CPU the
+pair is sized for (`--evaluate DIR`), since the forward costs are the CPU's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +44,16 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
 from models.muon import Muon
-from specdec.costs import measure_costs
-from specdec.lossless import first_divergence
-from specdec.offline import speculate
-from specdec.runtime import CausalLM, ModelSpec
+
+if TYPE_CHECKING:
+    from specdec.runtime import CausalLM
 
 EOS = "<|endoftext|>"
 EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data", "encodings"}
 MODELS_DIR = Path(__file__).resolve().parent
 PROMPTS_FILE = "heldout_prompts.json"
-PRECISIONS = ("auto", "bfloat16", "float32")  # auto: bfloat16 where the CPU computes it natively
+PRECISIONS = ("auto", "bfloat16", "float32")  # auto: bfloat16 on a GPU or where the CPU computes it natively
+DEVICES = ("cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")  # the target's; the draft always trains with AdamW
 
 
@@ -88,6 +93,9 @@ class Recipe:
     distinct_tokens: int = 256  # new tokens per prompt for the distinct-4-gram share
     k: int = 4  # draft tokens per round when measuring acceptance
     threads: int = 2
+    device: str = "cpu"  # one of DEVICES: where steps 1-4 train (the evaluation runs on the CPU)
+    dropout: float = 0.0  # the target's, while it trains (many epochs over the corpus call for some)
+    onpolicy_batch: int = 32  # continuations generated at once
     compile: bool = True  # torch.compile the training forwards (1.45x in bfloat16, 1.22x in float32, where measured)
     precision: str = "auto"  # one of PRECISIONS: the training forwards' arithmetic
 
@@ -99,6 +107,16 @@ TOY = Recipe(
     batch_tokens=256, short_seq=32, prompts=3, prompt_lines=4, prompt_max_tokens=16,
     eval_tokens=512, acceptance_tokens=12, distinct_tokens=16, compile=False,
 )  # fmt: skip
+
+# The same recipe on one H200: 16x the batch and 12x the tokens (30 passes over the corpus
+# where the CPU preset makes 2.6), hence dropout. Chosen among four target runs there
+# (4-16 passes; dropout 0, 0.1, 0.2; Muon or AdamW): Muon with dropout 0.2 and the most
+# passes reached the lowest held-out loss and the least repetitive greedy continuations.
+H200 = Recipe(
+    target_steps=1200, onpolicy_rows=8192, onpolicy_batch=1024, draft_steps=3000, batch_tokens=65536,
+    target_lr=2e-3, target_optimizer="muon", threads=8, device="cuda", dropout=0.2, compile=False,
+)  # fmt: skip
+PRESETS = {"cpu": Recipe(), "h200": H200, "toy": TOY}
 
 
 def log(message: str) -> None:
@@ -114,8 +132,9 @@ class Source:
     text: str
 
 
-def stdlib_sources(max_files: int) -> list[Source]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_sources(max_files: int, root: Path | None = None) -> list[Source]:
+    """The standard library's sources: this interpreter's, or those under root (a copy)."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(
         p for p in root.rglob("*.py")
         if not any(part in EXCLUDED_PARTS or part.startswith("test_") for part in p.relative_to(root).parts)
@@ -127,6 +146,14 @@ def stdlib_sources(max_files: int) -> list[Source]:
 
 def is_heldout(path: str, every: int) -> bool:
     return int(hashlib.sha256(path.encode()).hexdigest(), 16) % every == 0
+
+
+def corpus_digest(sources: list[Source]) -> str:
+    """sha256 of every file's path and text: the evaluation checks it sees the training corpus."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(f"{source.path}\0{len(source.text)}\0{source.text}".encode())
+    return digest.hexdigest()
 
 
 def split_by_file(sources: list[Source], every: int) -> tuple[list[Source], list[Source]]:
@@ -174,11 +201,11 @@ def heldout_prompts(tokenizer: PreTrainedTokenizerFast, heldout: list[Source], r
 # 3-4. training ------------------------------------------------------------------------
 
 
-def new_gpt2(shape: Shape, tokenizer: PreTrainedTokenizerFast, context: int) -> GPT2LMHeadModel:
+def new_gpt2(shape: Shape, tokenizer: PreTrainedTokenizerFast, context: int, dropout: float = 0.0) -> GPT2LMHeadModel:
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=context, n_embd=shape.n_embd, n_layer=shape.n_layer,
         n_head=shape.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
 
@@ -264,23 +291,24 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def training_dtype(precision: str) -> torch.dtype:
-    """bfloat16 autocast only where the CPU computes it natively. Elsewhere torch emulates
-    it: on an AVX2-only EPYC, 11 eager training steps of the 13M target in bfloat16 did not
-    finish in 10 minutes, where float32 ran 918 tokens/s eager and 1,117 compiled."""
+def training_dtype(precision: str, device: str = "cpu") -> torch.dtype:
+    """bfloat16 autocast on a GPU, and on a CPU only where it computes bfloat16 natively.
+    Elsewhere torch emulates it: on an AVX2-only EPYC, 11 eager training steps of the 13M
+    target in bfloat16 did not finish in 10 minutes, where float32 ran 918 tokens/s eager
+    and 1,117 compiled."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
+        return torch.bfloat16 if device == "cuda" or native_bf16() else torch.float32
     return getattr(torch, precision)
 
 
-def autocast(dtype: torch.dtype) -> torch.autocast:
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+def autocast(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.autocast:
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    with autocast(dtype):
+    with autocast(dtype, batch.device):
         logits = model(input_ids=batch[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
@@ -291,16 +319,18 @@ def greedy_continuations(
 ) -> torch.Tensor:  # fmt: skip
     """[onpolicy_rows, prefix + new] token ids: training-file prefixes and the model's greedy
     continuations of them, generated in batches with progress lines."""
-    rows, batch, start = [], 32, time.perf_counter()
+    rows, batch, start = [], recipe.onpolicy_batch, time.perf_counter()
+    device = next(model.parameters()).device
     for first in range(0, recipe.onpolicy_rows, batch):
-        prefixes = windows(ids, min(batch, recipe.onpolicy_rows - first), recipe.onpolicy_prefix, generator)
-        with autocast(dtype):
+        prefixes = windows(ids, min(batch, recipe.onpolicy_rows - first), recipe.onpolicy_prefix, generator).to(device)
+        with autocast(dtype, device):
             rows.append(
                 model.generate(
                     prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=recipe.onpolicy_new_tokens,
                     do_sample=False, pad_token_id=0, eos_token_id=None,
                 )  # fmt: skip
             )
+        rows[-1] = rows[-1].cpu()
         done = first + len(prefixes)
         log(f"[continuations] {done}/{recipe.onpolicy_rows} rows  elapsed {(time.perf_counter() - start) / 60:.1f} min")
     return torch.cat(rows)
@@ -321,9 +351,9 @@ def distillation_batch(
 def distillation_loss(teacher: torch.nn.Module, model: torch.nn.Module, batch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """KL(target || draft) of the next-token distributions at every position."""
     inputs = batch[:, :-1]
-    with torch.no_grad(), autocast(dtype):
+    with torch.no_grad(), autocast(dtype, batch.device):
         target_logits = teacher(input_ids=inputs).logits
-    with autocast(dtype):
+    with autocast(dtype, batch.device):
         draft_logits = model(input_ids=inputs).logits
     target_logp = F.log_softmax(target_logits.float(), dim=-1).flatten(0, 1)
     draft_logp = F.log_softmax(draft_logits.float(), dim=-1).flatten(0, 1)
@@ -375,6 +405,12 @@ def distinct_4gram_share(tokens: list[int]) -> float:
 
 
 def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], train_ids, eval_ids, recipe: Recipe) -> dict:
+    # Imported here so that steps 1-4 also run where the services' dependencies are not installed.
+    from specdec.costs import measure_costs
+    from specdec.lossless import first_divergence
+    from specdec.offline import speculate
+    from specdec.runtime import CausalLM, ModelSpec
+
     target = CausalLM.load(ModelSpec(str(target_dir)))
     draft = CausalLM.load(ModelSpec(str(draft_dir)))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
@@ -418,6 +454,7 @@ def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], train_ids, 
             "v8": costs.v[8],
             "context": costs.context,
             "threads": torch.get_num_threads(),
+            "machine": cpu_name(),
             "runtime": target.backend,
         },
         "parameters": {"target": target.parameters, "draft": draft.parameters},
@@ -433,8 +470,9 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
     lines = [
         f"# specdec default {name}",
         "",
-        f"Made by `python -m models.recipe` (seed {report['recipe']['seed']}) on {report['machine']}.",
-        "Python standard-library sources of the interpreter that ran the recipe "
+        f"Made by `python -m models.recipe --preset {report['preset']}` (seed {report['recipe']['seed']}); "
+        f"trained on {report['machine']}, evaluated on {costs['threads']} threads of {costs['machine']}.",
+        "Python standard-library sources "
         f"({report['corpus']['python']}), tests and generated tables excluded; "
         f"{report['corpus']['train_files']} training files ({report['corpus']['train_tokens']} tokens), "
         f"{report['corpus']['heldout_files']} held-out files.",
@@ -445,12 +483,10 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
         f"{report['recipe']['context']} positions |",
         f"| parameters | {e['parameters'][name]:,} (stored as float16, served as float32) |",
         f"| tokenizer | byte-level BPE, {report['recipe']['vocab_size']} tokens, shared by target and draft |",
-        f"| training | {t['steps']} steps, {t['tokens']:,} tokens, {t['seconds'] / 60:.1f} min on {costs['threads']} CPU threads |",
-    ]
-    lines += [
+        f"| training | {t['steps']} steps, {t['tokens']:,} tokens, {t['seconds'] / 60:.1f} min |",
         f"| held-out loss | {e['heldout_loss'][name]:.3f} nats/token (unigram baseline {e['heldout_loss']['unigram']:.3f}) |",
         f"| one forward step | {costs[name + '_step_ms']:.2f} ms (batch 1, cache of {costs['context']} tokens, "
-        f"{costs['runtime']} runtime) |",
+        f"{costs['runtime']} runtime, {costs['threads']} CPU threads) |",
     ]
     if name == "draft":
         lines += [
@@ -473,45 +509,64 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
 
 # the recipe ----------------------------------------------------------------------------
 
+COST_THREADS = 2  # the sizing's: forward costs are measured on 2 CPU threads, batch 1
 
-def run(recipe: Recipe, out: Path) -> dict:
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "an unnamed CPU"
+
+
+def training_machine(recipe: Recipe, dtype: torch.dtype) -> str:
+    where = torch.cuda.get_device_name() if recipe.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    return f"{where}, torch {torch.__version__}, training in {str(dtype).removeprefix('torch.')}"
+
+
+def train_pair(recipe: Recipe, out: Path, preset: str, stdlib: Path | None = None) -> dict:
+    """Steps 1-4: writes the pair, the held-out prompts and report.json (without evaluation)."""
+    if recipe.device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {recipe.device!r}")
+    if recipe.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("this preset trains on a GPU, and torch sees none here")
     transformers_logging.disable_progress_bar()  # the recipe prints its own progress
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
-    dtype = training_dtype(recipe.precision)
+    device = torch.device(recipe.device)
+    dtype = training_dtype(recipe.precision, recipe.device)
     started = time.perf_counter()
-    sources = stdlib_sources(recipe.max_files)
+    sources = stdlib_sources(recipe.max_files, stdlib)
     train_files, heldout_files = split_by_file(sources, recipe.heldout_every)
-    log(f"[corpus] {len(train_files)} training files, {len(heldout_files)} held-out files; training in {dtype}")
+    log(f"[corpus] {len(train_files)} training files, {len(heldout_files)} held-out files; training in {dtype} on {device}")
 
     tokenizer = train_tokenizer([s.text for s in train_files], recipe.vocab_size)
     train_ids = encode_files(tokenizer, train_files)
-    eval_ids = encode_files(tokenizer, heldout_files)[: recipe.eval_tokens]
     prompts = heldout_prompts(tokenizer, heldout_files, recipe)
     out.mkdir(parents=True, exist_ok=True)
     (out / PROMPTS_FILE).write_text(json.dumps(prompts, indent=1, ensure_ascii=False) + "\n")
     log(f"[tokenizer] {len(tokenizer)} tokens; corpus {len(train_ids):,} training tokens; {len(prompts)} held-out prompts")
 
-    target = new_gpt2(recipe.target, tokenizer, recipe.context)
+    target = new_gpt2(recipe.target, tokenizer, recipe.context, recipe.dropout).to(device)
     fast_target = compiled(target, recipe)
     data = torch.Generator().manual_seed(recipe.seed)
 
     def pretraining_loss(step: int):
-        batch = pretraining_batch(train_ids, recipe, step, data)
+        batch = pretraining_batch(train_ids, recipe, step, data).to(device)
         return next_token_loss(fast_target, batch, dtype), batch[:, 1:].numel()
 
     target_opts = optimizers(target, recipe.target_lr, recipe.target_optimizer, recipe.muon_lr)
     target_stats = train(target, "target", recipe.target_steps, cosine(recipe.target_lr, recipe.target_steps), pretraining_loss, target_opts)
     save(target, tokenizer, out / "target")
     # The teacher is the saved target, exactly as the services will run it.
-    saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).eval()
+    saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
     continuations = greedy_continuations(saved_target, train_ids, recipe, data, dtype)
     teacher = compiled(saved_target, recipe)
-    draft = new_gpt2(recipe.draft, tokenizer, recipe.context)
+    draft = new_gpt2(recipe.draft, tokenizer, recipe.context).to(device)
     fast_draft = compiled(draft, recipe)
 
     def distillation_step(step: int):
-        batch = distillation_batch(train_ids, continuations, recipe, step, data)
+        batch = distillation_batch(train_ids, continuations, recipe, step, data).to(device)
         return distillation_loss(teacher, fast_draft, batch, dtype), batch[:, 1:].numel()
 
     draft_stats = train(
@@ -519,25 +574,51 @@ def run(recipe: Recipe, out: Path) -> dict:
         optimizers(draft, recipe.draft_lr),
     )  # fmt: skip
     save(draft, tokenizer, out / "draft")
-
-    evaluation = evaluate(out / "target", out / "draft", prompts, train_ids, eval_ids, recipe)
     report = {
+        "preset": preset,
         "recipe": dataclasses.asdict(recipe),
-        "machine": f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, training in {str(dtype).removeprefix('torch.')}",
+        "machine": training_machine(recipe, dtype),
         "corpus": {
-            "python": sys.version.split()[0],
+            "python": sys.version.split()[0] if stdlib is None else f"the copy in {stdlib.name}",
+            "digest": corpus_digest(sources),
             "train_files": len(train_files),
             "heldout_files": len(heldout_files),
             "train_tokens": len(train_ids),
-            "eval_tokens": len(eval_ids),
         },
         "training": {"target": target_stats, "draft": draft_stats},
-        "evaluation": evaluation,
-        "total_minutes": round((time.perf_counter() - started) / 60, 1),
+        "training_minutes": round((time.perf_counter() - started) / 60, 1),
     }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"[trained] {report['training_minutes']} min; pair in {out}")
+    return report
+
+
+def evaluate_pair(out: Path, stdlib: Path | None = None) -> dict:
+    """Step 5 on this machine: the saved pair's losses, acceptance, repetition and costs,
+    added to out/report.json, and the model cards. The corpus must be the training one."""
+    report = json.loads((out / "report.json").read_text())
+    fields = report["recipe"]
+    recipe = Recipe(**{**fields, "target": Shape(**fields["target"]), "draft": Shape(**fields["draft"])})
+    torch.set_num_threads(COST_THREADS)
+    started = time.perf_counter()
+    sources = stdlib_sources(recipe.max_files, stdlib)
+    if corpus_digest(sources) != report["corpus"]["digest"]:
+        raise ValueError("this standard library is not the corpus the pair was trained on (digests differ)")
+    if stdlib is None:
+        report["corpus"]["python"] = sys.version.split()[0]
+    train_files, heldout_files = split_by_file(sources, recipe.heldout_every)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "target")
+    train_ids = encode_files(tokenizer, train_files)
+    eval_ids = encode_files(tokenizer, heldout_files)[: recipe.eval_tokens]
+    report["corpus"]["eval_tokens"] = len(eval_ids)
+    prompts = json.loads((out / PROMPTS_FILE).read_text())
+    report["evaluation"] = evaluate(out / "target", out / "draft", prompts, train_ids, eval_ids, recipe)
+    report["evaluation_minutes"] = round((time.perf_counter() - started) / 60, 1)
+    report["total_minutes"] = round(report["training_minutes"] + report["evaluation_minutes"], 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "target" / "README.md").write_text(model_card("target", recipe.target, report))
     (out / "draft" / "README.md").write_text(model_card("draft", recipe.draft, report))
+    evaluation = report["evaluation"]
     log(
         f"[done] {report['total_minutes']} min: acceptance {evaluation['acceptance_rate']:.3f} at k={recipe.k}, "
         f"c {evaluation['costs']['c']:.3f}, v(8) {evaluation['costs']['v8']:.2f}, "
@@ -546,18 +627,40 @@ def run(recipe: Recipe, out: Path) -> dict:
     return report
 
 
+def run(recipe: Recipe, out: Path, preset: str = "cpu", stdlib: Path | None = None) -> dict:
+    """The whole recipe on this machine: steps 1-4, then the evaluation."""
+    train_pair(recipe, out, preset, stdlib)
+    return evaluate_pair(out, stdlib)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=MODELS_DIR, help="where the pair, prompts and report go")
-    parser.add_argument("--toy", action="store_true", help="tiny sizes and a few steps (seconds), as the tests run it")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="cpu",
+        help="cpu: the 2-core CPU sizing (about 70 min); h200: one H200 GPU; toy: tiny sizes, seconds, as the tests run it",
+    )  # fmt: skip
+    parser.add_argument("--toy", action="store_true", help="the same as --preset toy")
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="auto",
-        help="arithmetic of the training forwards; auto: bfloat16 where the CPU has bfloat16 instructions, else float32",
+        help="arithmetic of the training forwards; auto: bfloat16 on a GPU or where the CPU has bfloat16 instructions, else float32",
     )  # fmt: skip
-    parser.add_argument("--target-optimizer", choices=OPTIMIZERS, default="adamw", help="the target's optimiser (the draft's is AdamW)")
+    parser.add_argument("--target-optimizer", choices=OPTIMIZERS, help="the target's optimiser (default: the preset's; the draft's is AdamW)")
+    parser.add_argument("--stdlib", type=Path, help="read the corpus from this copy of a standard library instead of this interpreter's")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("--train-only", action="store_true", help="steps 1-4 only (on a GPU, say); evaluate later with --evaluate")
+    step.add_argument("--evaluate", action="store_true", help="step 5 only, on the pair already trained in --out")
     args = parser.parse_args(argv)
-    recipe = dataclasses.replace(TOY if args.toy else Recipe(), precision=args.precision, target_optimizer=args.target_optimizer)
-    run(recipe, args.out)
+    preset = "toy" if args.toy else args.preset
+    recipe = dataclasses.replace(PRESETS[preset], precision=args.precision)
+    if args.target_optimizer:
+        recipe = dataclasses.replace(recipe, target_optimizer=args.target_optimizer)
+    if args.evaluate:
+        evaluate_pair(args.out, args.stdlib)
+    elif args.train_only:
+        train_pair(recipe, args.out, preset, args.stdlib)
+    else:
+        run(recipe, args.out, preset, args.stdlib)
     return 0
 
 
