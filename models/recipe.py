@@ -513,10 +513,9 @@ COST_THREADS = 2  # the sizing's: forward costs are measured on 2 CPU threads, b
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "an unnamed CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "an unnamed CPU")
 
 
 def training_machine(recipe: Recipe, dtype: torch.dtype) -> str:
