@@ -40,6 +40,7 @@ class Curve:
     new_tokens: int = 256  # per prompt, for the distinct-4-gram share
     init: Path | None = None  # start from these weights instead of random ones
     max_files: int = 0  # training files; 0: all (every held-out file is evaluated on)
+    compile: bool = True  # torch.compile the training forward, as the recipe does
 
 
 def evaluate(model: GPT2LMHeadModel, tokenizer, eval_ids: torch.Tensor, prompts: list[str], new_tokens: int) -> dict:
@@ -58,7 +59,9 @@ def evaluate(model: GPT2LMHeadModel, tokenizer, eval_ids: torch.Tensor, prompts:
 def run(curve: Curve, tokenizer_dir: Path, save: Path | None) -> list[dict]:
     transformers_logging.disable_progress_bar()
     torch.manual_seed(curve.seed)
-    recipe = dataclasses.replace(R.Recipe(), target=curve.shape, short_seq=curve.short_seq, seed=curve.seed)
+    recipe = dataclasses.replace(
+        R.Recipe(), target=curve.shape, short_seq=curve.short_seq, seed=curve.seed, compile=curve.compile
+    )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     train_files, heldout_files = R.split_by_file(R.stdlib_sources(0), recipe.heldout_every)
     train_ids = R.encode_files(tokenizer, train_files[: curve.max_files or None])

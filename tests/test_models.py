@@ -221,7 +221,8 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest():
 
 def test_learning_curve_reports_loss_and_repetition_as_it_trains(tmp_path):
     curve = learning_curve.Curve(
-        shape=recipe.TOY.target, optimizer="muon", steps=4, evals=2, new_tokens=8, eval_tokens=512, max_files=6
+        shape=recipe.TOY.target, optimizer="muon", steps=4, evals=2, new_tokens=8, eval_tokens=512, max_files=6,
+        compile=False,  # compiling a toy model costs more than its four steps
     )  # fmt: skip
     points = learning_curve.run(curve, Path(DEFAULT_TARGET), tmp_path / "target")
     assert [p["step"] for p in points] == [2, 4] and 0 < points[0]["tokens"] < points[1]["tokens"]
