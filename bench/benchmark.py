@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from bench import report
 from bench.report import AUTO, AUTO_SHORT as SHORT, TARGET_ONLY
 from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN, Job, Peer, Run, ours_run, peer_run
-from specdec import defaults
+from specdec import defaults, host
 from specdec.costs import measure_costs
 from specdec.launcher import Stack, StackConfig, free_port
 from specdec.lossless import first_divergence
@@ -125,9 +125,8 @@ def held_out_prompts(config: BenchConfig) -> list[list[int]]:
 
 
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     return {
-        "cpu": model,
+        "cpu": host.cpu_model(),
         "cpus": os.cpu_count(),
         "device": "cpu",
         "python": platform.python_version(),

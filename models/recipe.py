@@ -328,9 +328,8 @@ def greedy_continuations(
                 model.generate(
                     prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=recipe.onpolicy_new_tokens,
                     do_sample=False, pad_token_id=0, eos_token_id=None,
-                )  # fmt: skip
-            )
-        rows[-1] = rows[-1].cpu()
+                ).cpu()
+            )  # fmt: skip
         done = first + len(prefixes)
         log(f"[continuations] {done}/{recipe.onpolicy_rows} rows  elapsed {(time.perf_counter() - start) / 60:.1f} min")
     return torch.cat(rows)
@@ -407,6 +406,7 @@ def distinct_4gram_share(tokens: list[int]) -> float:
 def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], train_ids, eval_ids, recipe: Recipe) -> dict:
     # Imported here so that steps 1-4 also run where the services' dependencies are not installed.
     from specdec.costs import measure_costs
+    from specdec.host import cpu_model
     from specdec.lossless import first_divergence
     from specdec.offline import speculate
     from specdec.runtime import CausalLM, ModelSpec
@@ -454,7 +454,7 @@ def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], train_ids, 
             "v8": costs.v[8],
             "context": costs.context,
             "threads": torch.get_num_threads(),
-            "machine": cpu_name(),
+            "machine": cpu_model() or "an unnamed CPU",
             "runtime": target.backend,
         },
         "parameters": {"target": target.parameters, "draft": draft.parameters},
@@ -510,12 +510,6 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
 # the recipe ----------------------------------------------------------------------------
 
 COST_THREADS = 2  # the sizing's: forward costs are measured on 2 CPU threads, batch 1
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "an unnamed CPU")
 
 
 def training_machine(recipe: Recipe, dtype: torch.dtype) -> str:

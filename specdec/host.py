@@ -17,6 +17,7 @@ from specdec.v1 import pairing_pb2
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 MEMINFO = Path("/proc/meminfo")
+CPUINFO = Path("/proc/cpuinfo")
 CGROUP_LIMITS = (
     Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
@@ -29,6 +30,12 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except OSError:
         return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel gives it ("" where it gives none)."""
+    lines = (_read(CPUINFO) or "").splitlines()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 def machine_memory_bytes() -> int:
