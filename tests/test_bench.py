@@ -77,3 +77,18 @@ def test_a_corrupted_verify_step_fails_the_greedy_check(toy, tmp_path):
         assert failure["expected"] != failure["got"] and failure["top2_logit_gap"] > 1e-4
         assert 0 <= failure["position"] < failure["length"]
     assert "MISMATCHES" in (config.out / "bench.md").read_text()
+
+
+def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path, monkeypatch):
+    """Costs on the same model differ between an AVX2-only and an AVX-512 CPU of one name,
+    so reports name both."""
+    from specdec import host
+
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(host, "CPUINFO", cpuinfo)
+    cpuinfo.write_text("model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+    assert host.cpu_model() == "AMD EPYC, AVX-512"
+    cpuinfo.write_text("model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2\n")
+    assert host.cpu_model() == "AMD EPYC, AVX2"
+    cpuinfo.write_text("flags\t\t: fpu avx2\n")
+    assert host.cpu_model() == ""

@@ -36,7 +36,7 @@ def test_recipe_runs_end_to_end_at_toy_scale_and_repeats(tmp_path):
         assert (tmp_path / "a" / name / "README.md").read_text().startswith(f"# specdec default {name}")
     prompts = json.loads((tmp_path / "a" / recipe.PROMPTS_FILE).read_text())
     assert prompts and all(p["file"].endswith(".py") and p["prompt"] for p in prompts)
-    assert set(first["evaluation"]) >= {"heldout_loss", "acceptance_rate", "distinct_4gram_mean", "costs"}
+    assert set(first["evaluation"]) >= {"heldout_loss", "acceptance_rate", "distinct_4gram_mean", "distinct_4gram_real_mean", "costs"}
     assert first["evaluation"]["greedy_divergences"] == []  # speculation stayed lossless
     assert first["machine"].endswith(f"training in {str(recipe.training_dtype('auto')).removeprefix('torch.')}")
     second = recipe.run(recipe.TOY, tmp_path / "b", "toy")  # same seed: same pair, same figures
@@ -77,6 +77,18 @@ def test_training_runs_in_bfloat16_only_on_a_cpu_with_bfloat16_instructions():
     assert recipe.training_dtype("float32") == torch.float32
     with pytest.raises(ValueError, match="precision must be one of"):
         recipe.training_dtype("float16")
+
+
+def test_the_real_continuation_is_what_the_held_out_file_says_after_the_prompt():
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    files = {s.path: s for s in recipe.stdlib_sources(0)}
+    for item in PROMPTS:
+        source = files[item["file"]]
+        real = recipe.real_continuation(tokenizer, source, item["prompt"], 256)
+        assert 0 < len(real) <= 256  # a short file ends sooner
+        assert source.text.startswith(item["prompt"] + tokenizer.decode(real))
+    with pytest.raises(ValueError, match="not the start of"):
+        recipe.real_continuation(tokenizer, source, "# not this file's first line\n", 8)
 
 
 def test_heldout_split_is_by_file():
@@ -127,16 +139,16 @@ def test_committed_figures_are_what_is_measured_here(pair):
     losses = REPORT["evaluation"]["heldout_loss"]
     assert losses["target"] <= losses["unigram"] - 2.0  # perplexity at least e^2 (7.4x) below the unigram's
     assert losses["target"] < losses["draft"]
+    assert REPORT["evaluation"]["distinct_4gram_real_mean"] > 0.8  # real code rarely repeats a 4-gram within 256 tokens
     assert REPORT["total_minutes"] <= 75  # training on the H200 and evaluation on 2 CPU threads
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 4 open: on the AVX2 EPYC that evaluated the pair, its shapes give c 0.118 and v(8) 1.77; "
-    "the same shapes gave 0.076 and 1.34 on the machine the sizing was set on",
-)  # fmt: skip
 def test_cost_sizing_goal():
+    """c <= 0.1 and v(8) <= 1.5 as measured where the report was evaluated, a CPU the report
+    names with its vector instructions: these shapes meet the goal on an AVX-512 EPYC (c 0.092,
+    v(8) 1.38) and miss it on an AVX2-only one (0.118, 1.77)."""
     costs = REPORT["evaluation"]["costs"]
+    assert "AVX" in costs["machine"] and costs["threads"] == 2 and costs["context"] >= 512
     assert costs["c"] <= 0.1 and costs["v8"] <= 1.5
 
 
