@@ -43,17 +43,27 @@ class Curve:
     compile: bool = True  # torch.compile the training forward, as the recipe does
 
 
-def evaluate(model: GPT2LMHeadModel, tokenizer, eval_ids: torch.Tensor, prompts: list[str], new_tokens: int) -> dict:
+def evaluate(
+    model: GPT2LMHeadModel, tokenizer, eval_ids: torch.Tensor, prompts: list[str], new_tokens: int,
+    draft: CausalLM | None = None, acceptance_tokens: int = 128,
+) -> dict:  # fmt: skip
+    """Held-out loss and distinct-4-gram shares of greedy continuations; with a draft, also
+    its greedy acceptance at k=4 (accepted / proposed over acceptance_tokens per prompt)."""
     lm = CausalLM(copy.deepcopy(model).eval(), "target")
     shares = sorted(
         R.distinct_4gram_share(speculate(lm, None, tokenizer.encode(prompt), new_tokens, 0).tokens) for prompt in prompts
     )  # fmt: skip
-    return {
+    figures = {
         "heldout_loss": R.heldout_loss(lm, eval_ids, 512),
         "distinct_mean": sum(shares) / len(shares),
         "distinct_median": shares[len(shares) // 2],
+        "distinct_min": shares[0],
         "distinct_max": shares[-1],
     }
+    if draft is not None:
+        rounds = [speculate(lm, draft, tokenizer.encode(prompt), acceptance_tokens, 4) for prompt in prompts]
+        figures["acceptance"] = sum(r.accepted for r in rounds) / sum(r.proposed for r in rounds)
+    return figures
 
 
 def run(curve: Curve, tokenizer_dir: Path, save: Path | None) -> list[dict]:
