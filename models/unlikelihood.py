@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -98,7 +99,11 @@ def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
     transformers_logging.disable_progress_bar()
     torch.manual_seed(tune.seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
-    train_files, heldout_files = R.split_by_file(R.stdlib_sources(0), R.Recipe.heldout_every)
+    sources = R.stdlib_sources(0)
+    report = target.parent / "report.json"  # where the recipe made the pair, it names the corpus
+    if report.exists() and json.loads(report.read_text())["corpus"]["digest"] != R.corpus_digest(sources):
+        raise ValueError(f"this standard library is not the corpus {target} was trained on (digests differ)")
+    train_files, heldout_files = R.split_by_file(sources, R.Recipe.heldout_every)
     train_ids = R.encode_files(tokenizer, train_files[: tune.max_files or None])
     eval_ids = R.encode_files(tokenizer, heldout_files)[: tune.eval_tokens]
     prompts = heldout_prompts()

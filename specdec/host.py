@@ -33,7 +33,7 @@ def _read(path: Path) -> str | None:
 
 
 # The widest vector instructions a CPU has, widest first: forward costs on two threads move
-# with them (the same pair measured c 0.118 on an AVX2-only EPYC, 0.093 on an AVX-512 one).
+# with them (the same pair measured c 0.118 on an AVX2-only EPYC, 0.092 on an AVX-512 one).
 VECTOR_ISAS = (("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 

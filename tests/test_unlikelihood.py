@@ -4,6 +4,7 @@ tool end to end at toy scale."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -69,3 +70,11 @@ def test_fine_tuning_reports_loss_repetition_and_acceptance_and_saves_the_target
     tuned = CausalLM.load(ModelSpec(str(tmp_path / "tuned"))).model.state_dict()
     original = CausalLM.load(ModelSpec(str(tmp_path / "target"))).model.state_dict()
     assert any(not torch.equal(tuned[name], original[name]) for name in original)
+
+
+def test_fine_tuning_refuses_a_pair_trained_on_another_corpus(tmp_path):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(DEFAULT_TARGET)
+    recipe.save(recipe.new_gpt2(recipe.TOY.target, tokenizer, 2048), tokenizer, tmp_path / "target")
+    (tmp_path / "report.json").write_text(json.dumps({"corpus": {"digest": "0" * 64}}))
+    with pytest.raises(ValueError, match="not the corpus"):
+        unlikelihood.run(unlikelihood.Tune(steps=1, evals=1), tmp_path / "target", DEFAULT_TARGET, None)
