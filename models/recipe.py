@@ -157,6 +157,12 @@ def corpus_digest(sources: list[Source]) -> str:
     return digest.hexdigest()
 
 
+def require_corpus(report: dict, sources: list[Source]) -> None:
+    """Raises unless `sources` are the corpus that report.json says the pair was trained on."""
+    if corpus_digest(sources) != report["corpus"]["digest"]:
+        raise ValueError("this standard library is not the corpus the pair was trained on (digests differ)")
+
+
 def split_by_file(sources: list[Source], every: int) -> tuple[list[Source], list[Source]]:
     """(training files, held-out files)."""
     return [s for s in sources if not is_heldout(s.path, every)], [s for s in sources if is_heldout(s.path, every)]
@@ -617,8 +623,7 @@ def evaluate_pair(out: Path, stdlib: Path | None = None) -> dict:
     torch.set_num_threads(COST_THREADS)
     started = time.perf_counter()
     sources = stdlib_sources(recipe.max_files, stdlib)
-    if corpus_digest(sources) != report["corpus"]["digest"]:
-        raise ValueError("this standard library is not the corpus the pair was trained on (digests differ)")
+    require_corpus(report, sources)
     if stdlib is None:
         report["corpus"]["python"] = sys.version.split()[0]
     train_files, heldout_files = split_by_file(sources, recipe.heldout_every)

@@ -101,8 +101,8 @@ def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
     sources = R.stdlib_sources(0)
     report = target.parent / "report.json"  # where the recipe made the pair, it names the corpus
-    if report.exists() and json.loads(report.read_text())["corpus"]["digest"] != R.corpus_digest(sources):
-        raise ValueError(f"this standard library is not the corpus {target} was trained on (digests differ)")
+    if report.exists():
+        R.require_corpus(json.loads(report.read_text()), sources)
     train_files, heldout_files = R.split_by_file(sources, R.Recipe.heldout_every)
     train_ids = R.encode_files(tokenizer, train_files[: tune.max_files or None])
     eval_ids = R.encode_files(tokenizer, heldout_files)[: tune.eval_tokens]
