@@ -5,7 +5,9 @@ seconds-long run at tiny sizes, as the test suite does).
    without tests, site-packages and the generated data tables (pydoc_data, encodings);
    one file in `heldout_every` is held out, chosen by a hash of its path.
 2. Tokenizer: byte-level BPE trained with `tokenizers`, saved for AutoTokenizer.
-3. Target: a GPT-2 trained from scratch on the training files (next-token loss).
+3. Target: a GPT-2 trained from scratch on the training files (next-token loss); where
+   unlikelihood_steps is set, then fine-tuned with sequence-level unlikelihood so that its
+   greedy continuations loop less (models/unlikelihood.py; the committed presets: none).
 4. Draft: a much smaller GPT-2 distilled from the saved target: trained to match the
    target's next-token distributions (KL divergence), not the corpus tokens, on a mix of
    real training windows and the target's own greedy continuations of training-file
@@ -75,6 +77,10 @@ class Recipe:
     target: Shape = Shape(n_layer=6, n_embd=384, n_head=6)
     draft: Shape = Shape(n_layer=2, n_embd=96, n_head=2)
     target_steps: int = 1650
+    unlikelihood_steps: int = 0  # of sequence-level unlikelihood fine-tuning of the target before distillation; 0: none
+    unlikelihood_rows: int = 16  # greedy continuations (and real windows) per unlikelihood step ...
+    unlikelihood_new_tokens: int = 128  # ... of this many tokens, each from onpolicy_prefix training tokens
+    unlikelihood_lr: float = 1e-4
     onpolicy_rows: int = 256  # target greedy continuations made for distillation ...
     onpolicy_prefix: int = 48  # ... each from this many training tokens ...
     onpolicy_new_tokens: int = 256  # ... continued by this many
@@ -104,6 +110,7 @@ class Recipe:
 TOY = Recipe(
     vocab_size=320, context=128, heldout_every=5, max_files=24,
     target=Shape(1, 32, 2), draft=Shape(1, 16, 2), target_steps=8, draft_steps=8,
+    unlikelihood_steps=2, unlikelihood_rows=2, unlikelihood_new_tokens=8,
     onpolicy_rows=4, onpolicy_prefix=8, onpolicy_new_tokens=8,
     batch_tokens=256, short_seq=32, prompts=3, prompt_lines=4, prompt_max_tokens=16,
     eval_tokens=512, acceptance_tokens=12, distinct_tokens=16, compile=False,
@@ -494,10 +501,16 @@ def evaluate(
 def model_card(name: str, shape: Shape, report: dict) -> str:
     e, t = report["evaluation"], report["training"][name]
     costs = e["costs"]
+    preset = dataclasses.asdict(PRESETS[report["preset"]])
+    changed = ", ".join(
+        f"{field}={','.join(map(str, value.values())) if isinstance(value, dict) else value}"  # a Shape as --draft-shape takes it
+        for field, value in report["recipe"].items() if preset.get(field) != value
+    )  # fmt: skip
     lines = [
         f"# specdec default {name}",
         "",
-        f"Made by `python -m models.recipe --preset {report['preset']}` (seed {report['recipe']['seed']}); "
+        f"Made by `python -m models.recipe --preset {report['preset']}`{f' with {changed}' if changed else ''} "
+        f"(seed {report['recipe']['seed']}); "
         f"trained on {report['machine']}, evaluated on {costs['threads']} threads of {costs['machine']}.",
         "Python standard-library sources "
         f"({report['corpus']['python']}), tests and generated tables excluded; "
@@ -524,8 +537,12 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
             f"| cost ratio c (draft step / target step) | {costs['c']:.3f} |",
         ]
     else:
+        tuned = report["training"].get("unlikelihood")
         lines += [
-            "| objective | next-token cross-entropy |",
+            "| objective | next-token cross-entropy"
+            + (f"; then {tuned['steps']} steps of sequence-level unlikelihood on its own greedy continuations "
+               f"({tuned['tokens']:,} tokens, {tuned['seconds'] / 60:.1f} min)" if tuned else "")
+            + " |",
             f"| verify cost v(4), v(8) | {costs['v4']:.2f}, {costs['v8']:.2f} (k+1 positions / one step) |",
             f"| distinct 4-grams, {report['recipe']['distinct_tokens']}-token greedy continuations | "
             f"mean {e['distinct_4gram_mean']:.2f}, "
@@ -579,6 +596,17 @@ def train_pair(recipe: Recipe, out: Path, preset: str, stdlib: Path | None = Non
     target_opts = optimizers(target, recipe.target_lr, recipe.target_optimizer, recipe.muon_lr)
     target_stats = train(target, "target", recipe.target_steps, cosine(recipe.target_lr, recipe.target_steps), pretraining_loss, target_opts)
     save(target, tokenizer, out / "target")
+    stats = {"target": target_stats}
+    if recipe.unlikelihood_steps:
+        from models.unlikelihood import Tune, fine_tune, tunable  # that module builds on this one's helpers
+
+        tune = Tune(
+            steps=recipe.unlikelihood_steps, lr=recipe.unlikelihood_lr, rows=recipe.unlikelihood_rows,
+            prefix=recipe.onpolicy_prefix, new_tokens=recipe.unlikelihood_new_tokens,
+        )  # fmt: skip
+        tuned = tunable(out / "target").to(device)
+        stats["unlikelihood"] = fine_tune(tuned, train_ids, tune, data, dtype)
+        save(tuned, tokenizer, out / "target")
     # The teacher is the saved target, exactly as the services will run it.
     saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
     continuations = greedy_continuations(saved_target, train_ids, recipe, data, dtype)
@@ -606,7 +634,7 @@ def train_pair(recipe: Recipe, out: Path, preset: str, stdlib: Path | None = Non
             "heldout_files": len(heldout_files),
             "train_tokens": len(train_ids),
         },
-        "training": {"target": target_stats, "draft": draft_stats},
+        "training": {**stats, "draft": draft_stats},
         "training_minutes": round((time.perf_counter() - started) / 60, 1),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -653,6 +681,17 @@ def run(recipe: Recipe, out: Path, preset: str = "cpu", stdlib: Path | None = No
     return evaluate_pair(out, stdlib)
 
 
+def shape_arg(text: str) -> Shape:
+    """'2,192,4' -> Shape(n_layer=2, n_embd=192, n_head=4)."""
+    try:
+        layers, width, heads = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYERS,WIDTH,HEADS (three integers), got {text!r}") from None
+    if min(layers, width, heads) < 1 or width % heads:
+        raise argparse.ArgumentTypeError(f"need positive numbers and a width divisible by the heads, got {text!r}")
+    return Shape(layers, width, heads)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=MODELS_DIR, help="where the pair, prompts and report go")
@@ -666,6 +705,11 @@ def main(argv: list[str] | None = None) -> int:
         help="arithmetic of the training forwards; auto: bfloat16 on a GPU or where the CPU has bfloat16 instructions, else float32",
     )  # fmt: skip
     parser.add_argument("--target-optimizer", choices=OPTIMIZERS, help="the target's optimiser (default: the preset's; the draft's is AdamW)")
+    parser.add_argument(
+        "--unlikelihood-steps", type=int, metavar="N",
+        help="fine-tune the target with N steps of sequence-level unlikelihood before distilling the draft (default: the preset's)",
+    )  # fmt: skip
+    parser.add_argument("--draft-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the draft's shape (default: the preset's)")
     parser.add_argument("--stdlib", type=Path, help="read the corpus from this copy of a standard library instead of this interpreter's")
     step = parser.add_mutually_exclusive_group()
     step.add_argument("--train-only", action="store_true", help="steps 1-4 only (on a GPU, say); evaluate later with --evaluate")
@@ -675,6 +719,10 @@ def main(argv: list[str] | None = None) -> int:
     recipe = dataclasses.replace(PRESETS[preset], precision=args.precision)
     if args.target_optimizer:
         recipe = dataclasses.replace(recipe, target_optimizer=args.target_optimizer)
+    if args.unlikelihood_steps is not None:
+        recipe = dataclasses.replace(recipe, unlikelihood_steps=args.unlikelihood_steps)
+    if args.draft_shape:
+        recipe = dataclasses.replace(recipe, draft=args.draft_shape)
     if args.evaluate:
         evaluate_pair(args.out, args.stdlib)
     elif args.train_only:

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,25 +78,48 @@ class Tune:
     max_files: int = 0  # training files; 0: all
 
 
-def step_loss(model: GPT2LMHeadModel, train_ids: torch.Tensor, tune: Tune, data: torch.Generator) -> tuple[torch.Tensor, int]:
+def step_loss(
+    model: GPT2LMHeadModel, train_ids: torch.Tensor, tune: Tune, data: torch.Generator, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, int]:  # fmt: skip
     """One step's loss: the next-token loss on real windows plus weight times the
     unlikelihood of the repeated tokens of the model's own greedy continuations."""
-    prefixes = R.windows(train_ids, tune.rows, tune.prefix, data)
-    with torch.no_grad():
+    device = next(model.parameters()).device
+    prefixes = R.windows(train_ids, tune.rows, tune.prefix, data).to(device)
+    with torch.no_grad(), R.autocast(dtype, device):
         rows = model.generate(
             prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=tune.new_tokens, do_sample=False,
             pad_token_id=0, eos_token_id=None,
         )  # fmt: skip
-    repeated = torch.stack([repeated_tokens(row.tolist(), tune.prefix) for row in rows])[:, tune.prefix :]
-    logits = model(input_ids=rows[:, :-1]).logits[:, tune.prefix - 1 :]  # the positions predicting the continuation
+    repeated = torch.stack([repeated_tokens(row.tolist(), tune.prefix) for row in rows])[:, tune.prefix :].to(device)
+    with R.autocast(dtype, device):
+        logits = model(input_ids=rows[:, :-1]).logits[:, tune.prefix - 1 :]  # the positions predicting the continuation
     penalty = unlikelihood_loss(logits, rows[:, tune.prefix :], repeated)
-    real = R.windows(train_ids, tune.rows, tune.prefix + tune.new_tokens + 1, data)
-    return R.next_token_loss(model, real, torch.float32) + tune.weight * penalty, real[:, 1:].numel() + rows.numel()
+    real = R.windows(train_ids, tune.rows, tune.prefix + tune.new_tokens + 1, data).to(device)
+    return R.next_token_loss(model, real, dtype) + tune.weight * penalty, real[:, 1:].numel() + rows.numel()
+
+
+def tunable(path: Path) -> GPT2LMHeadModel:
+    """The saved target in float32 with dropout off: the probabilities the penalty pushes down
+    are the ones greedy decoding sees."""
+    return GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def fine_tune(
+    model: GPT2LMHeadModel, train_ids: torch.Tensor, tune: Tune, data: torch.Generator,
+    dtype: torch.dtype = torch.float32, after_step: Callable[[int, int], None] | None = None,
+) -> dict:  # fmt: skip
+    """tune.steps steps of AdamW on step_loss (tune.lr after a 10-step warm-up), with the
+    recipe's progress lines, on a model from `tunable`. The recipe runs this between
+    pretraining and distillation when its unlikelihood_steps is set."""
+    opt = torch.optim.AdamW([{"params": list(model.parameters()), "scale": 1.0}], lr=tune.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return R.train(
+        model, "unlikelihood", tune.steps, lambda step: tune.lr * min(1.0, (step + 1) / 10),
+        lambda _step: step_loss(model, train_ids, tune, data, dtype), [opt], after_step,
+    )  # fmt: skip
 
 
 def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
-    """Fine-tunes the target at `target` (float32, dropout off: the penalised probabilities
-    are the ones greedy decoding sees) and returns the figures at each evaluation."""
+    """Fine-tunes the target at `target` and returns the figures at each evaluation."""
     transformers_logging.disable_progress_bar()
     torch.manual_seed(tune.seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
@@ -107,7 +131,7 @@ def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
     train_ids = R.encode_files(tokenizer, train_files[: tune.max_files or None])
     eval_ids = R.encode_files(tokenizer, heldout_files)[: tune.eval_tokens]
     prompts = heldout_prompts()
-    model = GPT2LMHeadModel.from_pretrained(target, dtype=torch.float32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = tunable(target)
     drafter = CausalLM.load(ModelSpec(str(draft)))
     data = torch.Generator().manual_seed(tune.seed)
     at = {round(tune.steps * (i + 1) / tune.evals) for i in range(tune.evals)}
@@ -126,11 +150,7 @@ def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
             )
 
     measure(0, 0)
-    opt = torch.optim.AdamW([{"params": list(model.parameters()), "scale": 1.0}], lr=tune.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    R.train(
-        model, "unlikelihood", tune.steps, lambda step: tune.lr * min(1.0, (step + 1) / 10),
-        lambda _step: step_loss(model, train_ids, tune, data), [opt], measure,
-    )  # fmt: skip
+    fine_tune(model, train_ids, tune, data, after_step=measure)
     if save:
         R.save(model, tokenizer, save)
     return points

@@ -5,6 +5,7 @@ through `specdec serve` / `specdec generate`."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import signal
@@ -39,9 +40,31 @@ def test_recipe_runs_end_to_end_at_toy_scale_and_repeats(tmp_path):
     assert set(first["evaluation"]) >= {"heldout_loss", "acceptance_rate", "distinct_4gram_mean", "distinct_4gram_real_mean", "costs"}
     assert first["evaluation"]["greedy_divergences"] == []  # speculation stayed lossless
     assert first["machine"].endswith(f"training in {str(recipe.training_dtype('auto')).removeprefix('torch.')}")
+    assert first["training"]["unlikelihood"]["steps"] == recipe.TOY.unlikelihood_steps > 0
+    assert "steps of sequence-level unlikelihood" in (tmp_path / "a" / "target" / "README.md").read_text()
     second = recipe.run(recipe.TOY, tmp_path / "b", "toy")  # same seed: same pair, same figures
     assert (tmp_path / "a" / "target" / "model.safetensors").read_bytes() == (tmp_path / "b" / "target" / "model.safetensors").read_bytes()
     assert second["evaluation"]["acceptance_rate"] == first["evaluation"]["acceptance_rate"]
+
+
+def test_the_unlikelihood_stage_changes_the_target_and_a_changed_recipe_says_so(tmp_path):
+    """The stage between pretraining and distillation is what makes the toy target differ
+    from one pretrained alone; a pair made with flags beyond its preset names them on its cards."""
+    tuned = recipe.train_pair(recipe.TOY, tmp_path / "tuned", "toy")
+    plain = recipe.train_pair(dataclasses.replace(recipe.TOY, unlikelihood_steps=0), tmp_path / "plain", "toy")
+    assert "unlikelihood" in tuned["training"] and "unlikelihood" not in plain["training"]
+    weights = [(tmp_path / name / "target" / "model.safetensors").read_bytes() for name in ("tuned", "plain")]
+    assert weights[0] != weights[1]
+    report = {**plain, "evaluation": json.loads(json.dumps(REPORT["evaluation"]))}  # a card needs figures
+    assert "--preset toy` with unlikelihood_steps=0 (seed 0)" in recipe.model_card("target", recipe.TOY.target, report)
+    assert "--preset toy` (seed 0)" in recipe.model_card("target", recipe.TOY.target, {**report, "recipe": tuned["recipe"]})
+
+
+def test_the_draft_shape_flag_takes_layers_width_heads():
+    assert recipe.shape_arg("2,192,4") == recipe.Shape(n_layer=2, n_embd=192, n_head=4)
+    for bad in ("2,192", "2,190,4", "0,96,2", "two,96,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            recipe.shape_arg(bad)
 
 
 def test_a_pair_trained_elsewhere_is_evaluated_here_on_the_same_corpus_only(tmp_path):
@@ -197,7 +220,8 @@ def test_generate_through_the_default_pair(tmp_path):
 
 def test_recipe_has_help():
     result = subprocess.run([sys.executable, "-m", "models.recipe", "--help"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and all(flag in result.stdout for flag in ("--toy", "--preset", "--train-only", "--evaluate"))
+    flags = ("--toy", "--preset", "--train-only", "--evaluate", "--unlikelihood-steps", "--draft-shape")
+    assert result.returncode == 0 and all(flag in result.stdout for flag in flags)
 
 
 def test_orthogonalise_keeps_the_directions_and_flattens_the_singular_values():
