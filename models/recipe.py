@@ -720,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.target_optimizer:
         recipe = dataclasses.replace(recipe, target_optimizer=args.target_optimizer)
     if args.unlikelihood_steps is not None:
+        if args.unlikelihood_steps < 0:
+            parser.error(f"--unlikelihood-steps must be 0 or more, got {args.unlikelihood_steps}")
         recipe = dataclasses.replace(recipe, unlikelihood_steps=args.unlikelihood_steps)
     if args.draft_shape:
         recipe = dataclasses.replace(recipe, draft=args.draft_shape)

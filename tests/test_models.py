@@ -60,11 +60,15 @@ def test_the_unlikelihood_stage_changes_the_target_and_a_changed_recipe_says_so(
     assert "--preset toy` (seed 0)" in recipe.model_card("target", recipe.TOY.target, {**report, "recipe": tuned["recipe"]})
 
 
-def test_the_draft_shape_flag_takes_layers_width_heads():
+def test_the_draft_shape_flag_takes_layers_width_heads_and_steps_are_not_negative():
     assert recipe.shape_arg("2,192,4") == recipe.Shape(n_layer=2, n_embd=192, n_head=4)
     for bad in ("2,192", "2,190,4", "0,96,2", "two,96,2"):
         with pytest.raises(argparse.ArgumentTypeError):
             recipe.shape_arg(bad)
+    result = subprocess.run(
+        [sys.executable, "-m", "models.recipe", "--toy", "--unlikelihood-steps", "-1"], capture_output=True, text=True, timeout=60
+    )  # fmt: skip
+    assert result.returncode == 2 and "--unlikelihood-steps must be 0 or more" in result.stderr
 
 
 def test_a_pair_trained_elsewhere_is_evaluated_here_on_the_same_corpus_only(tmp_path):
