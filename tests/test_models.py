@@ -174,7 +174,7 @@ def test_cost_sizing_goal():
     """c <= 0.1 and v(8) <= 1.5 as measured where the report was evaluated, a CPU the report
     names with its vector instructions: these shapes meet the goal on an AVX-512 EPYC (c 0.092,
     v(8) 1.38) and miss it on an AVX2-only one (0.118, 1.77). v(8) moves between processes
-    on the same host (1.37-1.89 there; README), so this pins the report, not every host."""
+    on the same host (1.37-1.89 there; README), so this pins the report's figure, not every measurement."""
     costs = REPORT["evaluation"]["costs"]
     assert "AVX" in costs["machine"] and costs["threads"] == 2 and costs["context"] >= 512
     assert costs["c"] <= 0.1 and costs["v8"] <= 1.5
