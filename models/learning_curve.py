@@ -113,7 +113,7 @@ def run(curve: Curve, tokenizer_dir: Path, save: Path | None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.learning_curve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="6/256/4", help="layers/width/heads")
+    parser.add_argument("--shape", type=R.shape_arg, default="6/256/4", help="layers/width/heads")
     parser.add_argument("--optimizer", choices=R.OPTIMIZERS, default="adamw")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--evals", type=int, default=6)
@@ -124,9 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=R.MODELS_DIR / "target")
     parser.add_argument("--save", type=Path, help="save the trained target here")
     args = parser.parse_args(argv)
-    layers, width, heads = (int(x) for x in args.shape.split("/"))
     curve = Curve(
-        shape=R.Shape(layers, width, heads), optimizer=args.optimizer, steps=args.steps, evals=args.evals,
+        shape=args.shape, optimizer=args.optimizer, steps=args.steps, evals=args.evals,
         lr=args.lr, muon_lr=args.muon_lr, seed=args.seed, init=args.init,
     )  # fmt: skip
     torch.set_num_threads(2)

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import sys
 import sysconfig
 import time
@@ -682,9 +683,9 @@ def run(recipe: Recipe, out: Path, preset: str = "cpu", stdlib: Path | None = No
 
 
 def shape_arg(text: str) -> Shape:
-    """'2,192,4' -> Shape(n_layer=2, n_embd=192, n_head=4)."""
+    """'2,192,4' (or '2/192/4') -> Shape(n_layer=2, n_embd=192, n_head=4)."""
     try:
-        layers, width, heads = (int(part) for part in text.split(","))
+        layers, width, heads = (int(part) for part in re.split("[,/]", text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LAYERS,WIDTH,HEADS (three integers), got {text!r}") from None
     if min(layers, width, heads) < 1 or width % heads:
