@@ -4,9 +4,10 @@
     python -m bench.load --gateway 127.0.0.1:50051 --clients 4
 
 Each client sends one request after another (held-out prompts, in turn) until T has
-passed, then finishes the request it has in flight. Reported (stdout, and --json):
-completed requests/s and tokens/s over the whole run, time to first token and
-inter-token latency (p50, p99), and errors by status code. Inter-token latency is per
+passed, then finishes the request it has in flight. Each speculation mode given runs once
+per client count. Reported (stdout, and --json): completed requests/s and tokens/s over
+the whole run, time to first token and inter-token latency (p50, p99), rounds and the
+draft tokens proposed and accepted in them, and errors by status code. Inter-token latency is per
 token: a message bringing n tokens g seconds after the previous one counts n gaps of g/n.
 """
 
@@ -33,6 +34,11 @@ from specdec.launcher import Stack, StackConfig, free_port
 from specdec.v1 import common_pb2, generation_pb2
 
 PROGRESS_S = 5.0  # a progress line this often
+MODES = {
+    "auto": common_pb2.SPECULATION_MODE_AUTO,
+    "on": common_pb2.SPECULATION_MODE_ON,
+    "off": common_pb2.SPECULATION_MODE_OFF,
+}
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class LoadConfig:
     clients: int
     seconds: float
     max_new_tokens: int
-    speculation: bool
+    speculation: str  # a key of MODES
     prompts: list[str]
 
 
@@ -51,6 +57,9 @@ class Tally:
 
     requests: int = 0
     tokens: int = 0
+    rounds: int = 0  # from each completed stream's usage (target-only rounds count)
+    proposed: int = 0  # draft tokens
+    accepted: int = 0
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
@@ -58,7 +67,7 @@ class Tally:
 
 
 def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None:
-    ttft, gaps, tokens = None, [], 0
+    ttft, gaps, tokens, usage = None, [], 0, None
     start = last = time.perf_counter()
     try:
         for message in stub.Generate(req, timeout=600):
@@ -71,6 +80,8 @@ def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None
             if n:
                 last = now
             tokens += n
+            if message.finish_reason:
+                usage = message.usage
     except grpc.RpcError as err:
         with tally.lock:
             tally.errors[err.code().name] += 1
@@ -78,6 +89,10 @@ def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None
     with tally.lock:
         tally.requests += 1
         tally.tokens += tokens
+        if usage is not None:
+            tally.rounds += usage.rounds
+            tally.proposed += usage.draft_tokens_proposed
+            tally.accepted += usage.draft_tokens_accepted
         if ttft is not None:
             tally.ttft_s.append(ttft)
         tally.itl_s += gaps
@@ -86,7 +101,7 @@ def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None
 def run_load(config: LoadConfig, progress: TextIO = sys.stderr) -> dict:
     tally = Tally()
     end = time.monotonic() + config.seconds
-    mode = common_pb2.SPECULATION_MODE_ON if config.speculation else common_pb2.SPECULATION_MODE_OFF
+    mode = MODES[config.speculation]
 
     def client(index: int) -> None:
         channel, stub = connect(config.gateway)
@@ -134,6 +149,10 @@ def report(config: LoadConfig, tally: Tally, wall_s: float) -> dict:
         "errors": dict(tally.errors),
         "requests_per_s": round(tally.requests / wall_s, 3),
         "tokens_per_s": round(tally.tokens / wall_s, 1),
+        "rounds": tally.rounds,
+        "draft_tokens_proposed": tally.proposed,
+        "draft_tokens_accepted": tally.accepted,
+        "acceptance_rate": round(tally.accepted / tally.proposed, 3) if tally.proposed else 0.0,
         "ttft_ms": _percentiles_ms(tally.ttft_s),
         "itl_ms": _percentiles_ms(tally.itl_s),
     }
@@ -147,7 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients; several values run one after another")
     parser.add_argument("--seconds", type=float, default=30.0, help="how long each run starts new requests")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
-    parser.add_argument("--speculation", choices=("on", "off"), default="on")
+    parser.add_argument(
+        "--speculation", choices=tuple(MODES), nargs="+", default=["auto"],
+        help="speculation modes; several run one after another at each client count",
+    )
     parser.add_argument("--json", default="", help="write the reports to this file")
     args = parser.parse_args(argv)
     prompts = defaults.heldout_prompts()
@@ -163,16 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     try:
         for clients in args.clients:
-            config = LoadConfig(gateway, clients, args.seconds, args.max_new_tokens, args.speculation == "on", prompts)
-            print(f"{clients} clients for {args.seconds:.0f} s:", file=sys.stderr, flush=True)
-            reports.append(run_load(config))
-            r = reports[-1]
-            print(
-                f"clients {clients:3d}  requests/s {r['requests_per_s']:7.2f}  tokens/s {r['tokens_per_s']:8.1f}  "
-                f"TTFT p50/p99 {r['ttft_ms']['p50']:.1f}/{r['ttft_ms']['p99']:.1f} ms  "
-                f"ITL p50/p99 {r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.2f} ms  errors {r['errors'] or 0}",
-                flush=True,
-            )
+            for mode in args.speculation:
+                config = LoadConfig(gateway, clients, args.seconds, args.max_new_tokens, mode, prompts)
+                print(f"{clients} clients, speculation {mode}, for {args.seconds:.0f} s:", file=sys.stderr, flush=True)
+                reports.append(run_load(config))
+                r = reports[-1]
+                print(
+                    f"clients {clients:3d}  speculation {mode:4s}  requests/s {r['requests_per_s']:7.2f}  "
+                    f"tokens/s {r['tokens_per_s']:8.1f}  TTFT p50/p99 {r['ttft_ms']['p50']:.1f}/{r['ttft_ms']['p99']:.1f} ms  "
+                    f"ITL p50/p99 {r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.2f} ms  "
+                    f"draft tokens per round {r['draft_tokens_proposed'] / max(1, r['rounds']):.1f}  "
+                    f"acceptance {r['acceptance_rate']:.2f}  errors {r['errors'] or 0}",
+                    flush=True,
+                )
     finally:
         if stack is not None:
             stack.stop()

@@ -129,15 +129,22 @@ def test_the_load_script_reports_what_its_clients_measured(stack, tmp_path):
     out = tmp_path / "load.json"
     command = [
         sys.executable, "-m", "bench.load", "--gateway", stack.config.gateway_address,
-        "--clients", "1", "3", "--seconds", "1.5", "--max-new-tokens", "16", "--json", str(out),
+        "--clients", "1", "3", "--seconds", "1.5", "--max-new-tokens", "16", "--speculation", "on", "off",
+        "--json", str(out),
     ]  # fmt: skip
     finished = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert finished.returncode == 0, finished.stderr
     reports = json.loads(out.read_text())
-    assert [r["clients"] for r in reports] == [1, 3]
+    assert [(r["clients"], r["speculation"]) for r in reports] == [(1, "on"), (1, "off"), (3, "on"), (3, "off")]
     for r in reports:
+        if r["speculation"] == "on":
+            assert 0 <= r["draft_tokens_accepted"] <= r["draft_tokens_proposed"] <= 4 * r["rounds"]
+            assert r["draft_tokens_proposed"] > 0
+            assert r["acceptance_rate"] == pytest.approx(r["draft_tokens_accepted"] / r["draft_tokens_proposed"], abs=1e-3)
+        else:
+            assert r["draft_tokens_proposed"] == 0 and r["acceptance_rate"] == 0.0 and r["rounds"] == r["tokens"]
         assert r["requests"] >= r["clients"] and r["errors"] == {}
         assert r["requests"] <= r["tokens"] <= 16 * r["requests"]
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"], rel=0.01)
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and 0 < r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
-        assert f"clients {r['clients']:3d}  requests/s" in finished.stdout
+        assert f"clients {r['clients']:3d}  speculation {r['speculation']:4s}  requests/s" in finished.stdout
