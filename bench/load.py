@@ -7,8 +7,9 @@ Each client sends one request after another (held-out prompts, in turn) until T 
 passed, then finishes the request it has in flight. Each speculation mode given runs once
 per client count. Reported (stdout, and --json): completed requests/s and tokens/s over
 the whole run, time to first token and inter-token latency (p50, p99), rounds and the
-draft tokens proposed and accepted in them, and errors by status code. Inter-token latency is per
-token: a message bringing n tokens g seconds after the previous one counts n gaps of g/n.
+draft tokens proposed and accepted in them, and errors by status code. Inter-token
+latency is per token: a message bringing n tokens g seconds after the previous one counts
+n gaps of g/n.
 """
 
 from __future__ import annotations
