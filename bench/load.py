@@ -32,14 +32,10 @@ import numpy as np
 from specdec import defaults
 from specdec.client import connect
 from specdec.launcher import Stack, StackConfig, free_port
-from specdec.v1 import common_pb2, generation_pb2
+from specdec.requests import SPECULATION_MODES
+from specdec.v1 import generation_pb2
 
 PROGRESS_S = 5.0  # a progress line this often
-MODES = {
-    "auto": common_pb2.SPECULATION_MODE_AUTO,
-    "on": common_pb2.SPECULATION_MODE_ON,
-    "off": common_pb2.SPECULATION_MODE_OFF,
-}
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,7 @@ class LoadConfig:
     clients: int
     seconds: float
     max_new_tokens: int
-    speculation: str  # a key of MODES
+    speculation: str  # a key of SPECULATION_MODES
     prompts: list[str]
 
 
@@ -102,7 +98,7 @@ def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None
 def run_load(config: LoadConfig, progress: TextIO = sys.stderr) -> dict:
     tally = Tally()
     end = time.monotonic() + config.seconds
-    mode = MODES[config.speculation]
+    mode = SPECULATION_MODES[config.speculation]
 
     def client(index: int) -> None:
         channel, stub = connect(config.gateway)
@@ -168,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="how long each run starts new requests")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request")
     parser.add_argument(
-        "--speculation", choices=tuple(MODES), nargs="+", default=["auto"],
+        "--speculation", choices=tuple(SPECULATION_MODES), nargs="+", default=["auto"],
         help="speculation modes; several run one after another at each client count",
     )
     parser.add_argument("--json", default="", help="write the reports to this file")
