@@ -18,6 +18,27 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel, PreTrainedModel
 
 
+# Up to this many new positions on a CPU, attention runs as two batched matmuls around a
+# softmax: at decode and verify sizes that is 1.3-1.8x faster there than
+# scaled_dot_product_attention, whose per-call overhead is a large part of a small model's
+# step. Longer forwards (prefills), and other devices, keep SDPA, which does not hold the
+# [heads, n, context] scores in memory at once.
+MATMUL_ATTENTION_MAX_POSITIONS = 64
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of n queries at positions start..start+n-1 over the keys and values
+    of positions 0..start+n-1: q [H, n, D], keys and values [H, start+n, D] -> [H, n, D]."""
+    n, end = q.shape[1], keys.shape[1]
+    if q.device.type != "cpu" or n > MATMUL_ATTENTION_MAX_POSITIONS:
+        visible = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=q.device).tril(start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+    scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)  # [H, n, end]; softmax in float32
+    if n > 1:  # query i must not see positions after start + i
+        scores.masked_fill_(torch.ones(n, end, dtype=torch.bool).triu_(start + 1), float("-inf"))
+    return torch.bmm(torch.softmax(scores, -1).to(values.dtype), values)
+
+
 def supports(model: PreTrainedModel) -> str | None:
     """None when the model can run here, else why not."""
     if not isinstance(model, GPT2LMHeadModel):
@@ -100,8 +121,6 @@ class StaticGPT2:
         if end > cache.capacity:
             raise ValueError(f"{end} positions exceed the session's cache of {cache.capacity}")
         x = self.wte[ids] + self.wpe[start:end]  # [n, C]
-        # Query i (absolute position start+i) sees keys 0..start+i.
-        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start)
         scale = 1.0 / math.sqrt(self.head_dim)
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln1, self.eps)
@@ -109,9 +128,7 @@ class StaticGPT2:
             q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, n, D]
             cache.keys[index, :, start:end] = k
             cache.values[index, :, start:end] = v
-            attended = F.scaled_dot_product_attention(
-                q, cache.keys[index, :, :end], cache.values[index, :, :end], attn_mask=mask, scale=scale
-            )  # [H, n, D]
+            attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], start, scale)  # [H, n, D]
             x = x + torch.addmm(layer.proj_b, attended.transpose(0, 1).reshape(n, self.width), layer.proj_w)
             h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
             h = F.gelu(torch.addmm(layer.fc_b, h, layer.fc_w), approximate="tanh")

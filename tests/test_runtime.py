@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec import gpt2_static
 from specdec.runtime import CausalLM, ModelSpec
 
 
@@ -34,6 +35,25 @@ def test_static_forward_matches_transformers_through_steps_and_rollbacks(pair):
         b = generic.forward(caches["transformers"], arg)
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (action, len(arg), (a - b).abs().max())
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 9, gpt2_static.MATMUL_ATTENTION_MAX_POSITIONS, gpt2_static.MATMUL_ATTENTION_MAX_POSITIONS + 1])
+def test_attention_is_causal_softmax_attention_on_both_paths(n, dtype):
+    # n up to the limit takes the matmul path on a CPU, n beyond it SDPA: both must be the
+    # same causal attention, checked against a float64 reference that masks by position.
+    heads, dim, start = 3, 16, 37
+    generator = torch.Generator().manual_seed(n)
+    q, keys, values = (torch.randn(heads, size, dim, generator=generator) for size in (n, start + n, start + n))
+    scale = dim**-0.5
+    scores = (q.double() @ keys.double().transpose(1, 2)) * scale
+    query_positions = torch.arange(start, start + n)[:, None]
+    scores[:, torch.arange(start + n)[None, :] > query_positions] = float("-inf")
+    expected = torch.softmax(scores, -1) @ values.double()
+    got = gpt2_static.attend(q.to(dtype), keys.to(dtype), values.to(dtype), start, scale)
+    assert got.dtype == dtype and got.shape == (heads, n, dim)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.double(), expected, atol=tolerance, rtol=tolerance), (got.double() - expected).abs().max()
 
 
 @pytest.mark.parametrize("backend", ["static-gpt2", "transformers"])
