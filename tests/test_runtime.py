@@ -8,16 +8,39 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import gpt2_static
+from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdec.runtime import CausalLM, ModelSpec
 
 
-@pytest.fixture(scope="module")
-def pair(toy) -> dict[str, CausalLM]:
-    return {backend: CausalLM.load(ModelSpec(str(toy.target), backend=backend)) for backend in ("static-gpt2", "transformers")}
+@pytest.fixture(scope="module", params=[False, True], ids=["addmm", "packed"])
+def pair(toy, request) -> dict[str, CausalLM]:
+    """The static forward multiplying by the weights as stored, and by oneDNN-packed ones
+    (the toy is narrower than PACK_MIN_WIDTH, so packing is asked for)."""
+    models = {backend: CausalLM.load(ModelSpec(str(toy.target), backend=backend)) for backend in ("static-gpt2", "transformers")}
+    for model in models.values():  # the toy's biases are zeros: make them count, the same in both
+        generator = torch.Generator().manual_seed(0)
+        for name, parameter in sorted(model.model.named_parameters()):
+            if name.endswith(".bias"):
+                parameter.data.normal_(0, 0.1, generator=generator)
+    static = models["static-gpt2"]
+    if request.param and not gpt2_static.can_pack(static.device, static.dtype):
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    static._static = gpt2_static.StaticGPT2(static.model, pack=request.param)
+    return models
 
 
 def test_auto_picks_the_static_forward_for_gpt2(toy):
     assert CausalLM.load(ModelSpec(str(toy.target))).backend == "static-gpt2"
+
+
+def test_weights_are_packed_from_the_minimum_width_on():
+    narrow = CausalLM.load(ModelSpec(DEFAULT_DRAFT))  # 96 wide
+    wide = CausalLM.load(ModelSpec(DEFAULT_TARGET))  # 384 wide
+    assert narrow.model.config.n_embd < gpt2_static.PACK_MIN_WIDTH <= wide.model.config.n_embd
+    assert not narrow._static.pack
+    assert wide._static.pack == gpt2_static.can_pack(wide.device, wide.dtype)
+    with pytest.raises(ValueError, match="cannot pack"):
+        gpt2_static.StaticGPT2(wide.model.to(torch.bfloat16), pack=True)
 
 
 def test_static_forward_matches_transformers_through_steps_and_rollbacks(pair):
