@@ -10,9 +10,8 @@ match transformers' to float32 rounding (tests/test_runtime.py checks it).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +157,7 @@ class StaticGPT2:
             raise ValueError(f"{end} positions exceed the session's cache of {cache.capacity}")
         if self.pack and self._packed_layers is None:
             self._packed_layers = [
-                dataclasses.replace(l, attn_w=_packed(l.attn_w.T), proj_w=_packed(l.proj_w.T), fc_w=_packed(l.fc_w.T), out_w=_packed(l.out_w.T))
+                replace(l, attn_w=_packed(l.attn_w.T), proj_w=_packed(l.proj_w.T), fc_w=_packed(l.fc_w.T), out_w=_packed(l.out_w.T))
                 for l in self.layers
             ]  # fmt: skip
             self._packed_head = _packed(self.lm_head)
