@@ -48,16 +48,21 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 9)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal attention of n queries at positions start..start+n-1 over the keys and values
-    of positions 0..start+n-1: q [H, n, D], keys and values [H, start+n, D] -> [H, n, D]."""
-    n, end = q.shape[1], keys.shape[1]
-    if q.device.type != "cpu" or n > MATMUL_ATTENTION_MAX_POSITIONS:
-        visible = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=q.device).tril(start)
+def causal_hidden(n: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """[n, start+n] True where query i (position start+i) must not look: the positions after
+    start+i. None for a single query, which sees every cached position. Built once a forward."""
+    return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).triu_(start + 1)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal attention of n queries over the keys and values of every position up to the
+    last query's: q [H, n, D], keys and values [H, end, D], hidden from causal_hidden -> [H, n, D]."""
+    if q.device.type != "cpu" or q.shape[1] > MATMUL_ATTENTION_MAX_POSITIONS:
+        visible = None if hidden is None else hidden.logical_not()
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
     scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)  # [H, n, end]; softmax in float32
-    if n > 1:  # query i must not see positions after start + i
-        scores.masked_fill_(torch.ones(n, end, dtype=torch.bool).triu_(start + 1), float("-inf"))
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
     return torch.bmm(torch.softmax(scores, -1).to(values.dtype), values)
 
 
@@ -162,6 +167,7 @@ class StaticGPT2:
             ]  # fmt: skip
             self._packed_head = _packed(self.lm_head)
         x = self.wte[ids] + self.wpe[start:end]  # [n, C]
+        hidden = causal_hidden(n, start, x.device)
         scale = 1.0 / math.sqrt(self.head_dim)
         for index, layer in enumerate(self._packed_layers or self.layers):
             h = F.layer_norm(x, (self.width,), *layer.ln1, self.eps)
@@ -169,7 +175,7 @@ class StaticGPT2:
             q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, n, D]
             cache.keys[index, :, start:end] = k
             cache.values[index, :, start:end] = v
-            attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], start, scale)  # [H, n, D]
+            attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], hidden, scale)  # [H, n, D]
             x = x + self._linear(attended.transpose(0, 1).reshape(n, self.width), layer.proj_w, layer.proj_b)
             h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
             h = F.gelu(self._linear(h, layer.fc_w, layer.fc_b), approximate="tanh")
