@@ -5,7 +5,8 @@ Terms, for one round of one request:
   k  draft tokens proposed this round.
   d  the draft token ids, shape [k].
   q  the distribution each draft token was drawn from: the draft's warped distribution
-     truncated to its top-K support and renormalised, shape [k, V] (zero off the support).
+     truncated to its top-K support and renormalised, [k, V] and zero off the support;
+     sent and used sparse, as each position's support ids and their probabilities.
   p  the target's warped distribution at the k+1 verified positions, shape [k+1, V];
      p[i] is the target's distribution for the token at draft position i, p[k] the bonus.
 
@@ -19,6 +20,7 @@ the target's argmax at the first mismatch (or at position k).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,21 +81,26 @@ def truncate(probs: torch.Tensor, support_size: int) -> tuple[torch.Tensor, torc
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw from probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One draw from probs [V] (non-negative, any positive total): the first token whose
+    cumulative mass exceeds a uniform draw over the total (inverse CDF, in float64). A
+    zero-probability token adds nothing to the cumulative mass, so it is never drawn.
+    torch.multinomial draws the same distribution about 7x slower over 4,096 tokens on a
+    CPU (95 against 13 µs), and a sampled request pays one draw per round."""
+    cumulative = probs.double().cumsum(-1)
+    total = float(cumulative[-1])
+    if not total > 0:
+        raise ValueError(f"cannot sample from a distribution of total mass {total}")
+    u = float(torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)) * total
+    # Kept below the total, which the product can round up to: the first token whose
+    # cumulative mass reaches the total is then drawn, a token of positive probability.
+    return int(torch.searchsorted(cumulative, min(u, math.nextafter(total, 0.0)), right=True))
 
 
-def dense_draft_distribution(
-    support_ids: Sequence[Sequence[int]],
-    support_probs: Sequence[Sequence[float]],
-    vocab_size: int,
-    device: torch.device | str,
-) -> torch.Tensor:
-    """q [k, V] from the draft's per-position sparse (ids, probs) pairs."""
-    q = torch.zeros(len(support_ids), vocab_size, dtype=torch.float32)
-    for row, (ids, values) in enumerate(zip(support_ids, support_probs)):
-        q[row, torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
-    return q.to(device)
+def dense_row(ids: Sequence[int], probs: Sequence[float], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """q [V] of one draft position from its sparse (ids, probs)."""
+    q = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    q[torch.tensor(ids, dtype=torch.long, device=device)] = torch.tensor(probs, dtype=torch.float32, device=device)
+    return q
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -118,19 +125,26 @@ def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> Round
 
 
 def verify_sampled(
-    p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+    p: torch.Tensor,
+    draft_ids: Sequence[int],
+    support_ids: Sequence[Sequence[int]],
+    support_probs: Sequence[Sequence[float]],
+    generator: torch.Generator,
 ) -> RoundOutcome:
-    """Exact speculative sampling. p [k+1, V], draft_ids [k], q [k, V]."""
-    k = draft_ids.shape[0]
-    rows = torch.arange(k, device=p.device)
-    p_draft = p[rows, draft_ids]  # [k] target probability of each draft token
-    q_draft = q[rows, draft_ids]  # [k] draft probability of each draft token (> 0)
-    u = torch.rand(k, generator=generator, device=p.device)
-    # u < p/q, written without dividing: accept with probability min(1, p/q).
-    rejected = (u * q_draft >= p_draft).nonzero()
-    if rejected.numel():
-        accepted = int(rejected[0])
-        return RoundOutcome(accepted, sample(residual(p[accepted], q[accepted]), generator))
+    """Exact speculative sampling. p [k+1, V]; draft token i was drawn from the sparse q_i
+    that puts support_probs[i][j] on token support_ids[i][j] and nothing elsewhere. Only the
+    draft tokens' q and, after a rejection, that one position's q are needed, so q is never
+    built whole."""
+    k = len(draft_ids)
+    drafted = torch.tensor(list(draft_ids), dtype=torch.long, device=p.device)
+    p_draft = p[torch.arange(k, device=p.device), drafted].tolist()  # [k] target probability of each draft token
+    q_draft = [dict(zip(ids, probs)).get(d, 0.0) for d, ids, probs in zip(draft_ids, support_ids, support_probs)]
+    u = torch.rand(k, generator=generator, device=p.device).tolist()
+    for i in range(k):
+        # u < p/q, written without dividing: accept with probability min(1, p/q).
+        if u[i] * q_draft[i] >= p_draft[i]:
+            q = dense_row(support_ids[i], support_probs[i], p.shape[-1], p.device)
+            return RoundOutcome(i, sample(residual(p[i], q), generator))
     return RoundOutcome(k, sample(p[k], generator))
 
 
@@ -163,8 +177,6 @@ def verify_round(
     generator: torch.Generator,
 ) -> RoundOutcome:
     """Verifies k draft tokens against the target's logits [k+1, V] at their positions."""
-    drafted = torch.tensor(list(draft_ids), dtype=torch.long, device=logits.device)  # [k]
     if params.greedy:
-        return verify_greedy(logits, drafted)
-    q = dense_draft_distribution(support_ids, support_probs, logits.shape[-1], logits.device)
-    return verify_sampled(warp(logits, params), drafted, q, generator)
+        return verify_greedy(logits, torch.tensor(list(draft_ids), dtype=torch.long, device=logits.device))
+    return verify_sampled(warp(logits, params), draft_ids, support_ids, support_probs, generator)

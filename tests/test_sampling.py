@@ -10,6 +10,7 @@ from specdec.sampling import (
     SamplingParams,
     propose_token,
     residual,
+    sample,
     truncate,
     verify_greedy,
     verify_round,
@@ -61,17 +62,17 @@ def test_greedy_accepts_the_matching_prefix():
 def test_sampled_accepts_everything_when_the_draft_is_the_target():
     gen = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(4, 8, generator=gen), -1)
+    support_ids, support_probs = [list(range(8))] * 3, p[:3].tolist()  # q = p, whole
     for _ in range(200):
-        draft = torch.multinomial(p[:3], 1, generator=gen).flatten()
-        assert verify_sampled(p, draft, p[:3], gen).accepted == 3
+        draft = [sample(row, gen) for row in p[:3]]
+        assert verify_sampled(p, draft, support_ids, support_probs, gen).accepted == 3
 
 
 def test_sampled_rejects_tokens_the_target_cannot_emit():
     gen = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
-    q = torch.tensor([[1.0, 0.0, 0.0]])
     for _ in range(200):
-        outcome = verify_sampled(p, torch.tensor([0]), q, gen)
+        outcome = verify_sampled(p, [0], [[0]], [[1.0]], gen)  # q puts all its mass on token 0
         assert outcome.accepted == 0 and outcome.token in (1, 2)
 
 
@@ -99,3 +100,14 @@ def test_verify_round_uses_the_sparse_q():
         verify_round(logits, SamplingParams(temperature=1.0), [1], [[1]], [[1.0]], gen).accepted for _ in range(4000)
     )
     assert accepted / 4000 == pytest.approx(0.9, abs=0.02)
+
+
+def test_sample_draws_in_proportion_and_never_a_token_of_zero_probability():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0])  # any positive total: 10
+    counts = torch.bincount(torch.tensor([sample(probs, gen) for _ in range(20_000)]), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    assert (counts[[1, 3, 4]] / 20_000).tolist() == pytest.approx([0.3, 0.1, 0.6], abs=0.015)
+    assert sample(torch.tensor([0.0, 0.0, 2.0]), gen) == 2
+    with pytest.raises(ValueError):
+        sample(torch.zeros(3), gen)
