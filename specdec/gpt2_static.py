@@ -48,6 +48,16 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 9)
 
 
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] times a weight from _packed, plus bias."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _addmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x [n, in] times weight [in, out] (as GPT-2 stores it) plus bias."""
+    return torch.addmm(bias, x, weight)
+
+
 def causal_hidden(n: int, start: int, device: torch.device) -> torch.Tensor | None:
     """[n, start+n] True where query i (position start+i) must not look: the positions after
     start+i. None for a single query, which sees every cached position. Built once a forward."""
@@ -169,24 +179,19 @@ class StaticGPT2:
         x = self.wte[ids] + self.wpe[start:end]  # [n, C]
         hidden = causal_hidden(n, start, x.device)
         scale = 1.0 / math.sqrt(self.head_dim)
-        for index, layer in enumerate(self._packed_layers or self.layers):
+        layers, linear = (self._packed_layers, _packed_linear) if self._packed_layers else (self.layers, _addmm_linear)
+        for index, layer in enumerate(layers):
             h = F.layer_norm(x, (self.width,), *layer.ln1, self.eps)
-            qkv = self._linear(h, layer.attn_w, layer.attn_b).view(n, 3, self.heads, self.head_dim)
+            qkv = linear(h, layer.attn_w, layer.attn_b).view(n, 3, self.heads, self.head_dim)
             q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, n, D]
             cache.keys[index, :, start:end] = k
             cache.values[index, :, start:end] = v
             attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], hidden, scale)  # [H, n, D]
-            x = x + self._linear(attended.transpose(0, 1).reshape(n, self.width), layer.proj_w, layer.proj_b)
+            x = x + linear(attended.transpose(0, 1).reshape(n, self.width), layer.proj_w, layer.proj_b)
             h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
-            h = F.gelu(self._linear(h, layer.fc_w, layer.fc_b), approximate="tanh")
-            x = x + self._linear(h, layer.out_w, layer.out_b)
+            h = F.gelu(linear(h, layer.fc_w, layer.fc_b), approximate="tanh")
+            x = x + linear(h, layer.out_w, layer.out_b)
         x = F.layer_norm(x, (self.width,), *self.ln_f, self.eps)
         if self._packed_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_head, None, "none", [], "")
+            return _packed_linear(x, self._packed_head, None)
         return x @ self.lm_head.T
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """x [n, in] times weight ([in, out] as GPT-2 stores it, or packed) plus bias."""
-        if self._packed_layers is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return torch.addmm(bias, x, weight)
