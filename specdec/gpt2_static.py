@@ -58,21 +58,23 @@ def _addmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
     return torch.addmm(bias, x, weight)
 
 
-def causal_hidden(n: int, start: int, device: torch.device) -> torch.Tensor | None:
-    """[n, start+n] True where query i (position start+i) must not look: the positions after
-    start+i. None for a single query, which sees every cached position. Built once a forward."""
-    return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).triu_(start + 1)
+def causal_bias(n: int, start: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """[n, start+n] added to the attention scores: -inf where query i (position start+i) must
+    not look, the positions after start+i, and 0 elsewhere. None for a single query, which
+    sees every cached position. Built once a forward, in the form both attention paths take."""
+    if n == 1:
+        return None
+    return torch.full((n, start + n), float("-inf"), dtype=dtype, device=device).triu_(start + 1)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Causal attention of n queries over the keys and values of every position up to the
-    last query's: q [H, n, D], keys and values [H, end, D], hidden from causal_hidden -> [H, n, D]."""
+    last query's: q [H, n, D], keys and values [H, end, D], bias from causal_bias -> [H, n, D]."""
     if q.device.type != "cpu" or q.shape[1] > MATMUL_ATTENTION_MAX_POSITIONS:
-        visible = None if hidden is None else hidden.logical_not()
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
     scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)  # [H, n, end]; softmax in float32
-    if hidden is not None:
-        scores.masked_fill_(hidden, float("-inf"))
+    if bias is not None:
+        scores.add_(bias)
     return torch.bmm(torch.softmax(scores, -1).to(values.dtype), values)
 
 
@@ -177,7 +179,7 @@ class StaticGPT2:
             ]  # fmt: skip
             self._packed_head = _packed(self.lm_head)
         x = self.wte[ids] + self.wpe[start:end]  # [n, C]
-        hidden = causal_hidden(n, start, x.device)
+        bias = causal_bias(n, start, x.dtype, x.device)
         scale = 1.0 / math.sqrt(self.head_dim)
         layers, linear = (self._packed_layers, _packed_linear) if self._packed_layers else (self.layers, _addmm_linear)
         for index, layer in enumerate(layers):
@@ -186,7 +188,7 @@ class StaticGPT2:
             q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, n, D]
             cache.keys[index, :, start:end] = k
             cache.values[index, :, start:end] = v
-            attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], hidden, scale)  # [H, n, D]
+            attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], bias, scale)  # [H, n, D]
             x = x + linear(attended.transpose(0, 1).reshape(n, self.width), layer.proj_w, layer.proj_b)
             h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
             h = F.gelu(linear(h, layer.fc_w, layer.fc_b), approximate="tanh")

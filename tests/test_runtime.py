@@ -73,7 +73,7 @@ def test_attention_is_causal_softmax_attention_on_both_paths(n, dtype):
     query_positions = torch.arange(start, start + n)[:, None]
     scores[:, torch.arange(start + n)[None, :] > query_positions] = float("-inf")
     expected = torch.softmax(scores, -1) @ values.double()
-    got = gpt2_static.attend(q.to(dtype), keys.to(dtype), values.to(dtype), gpt2_static.causal_hidden(n, start, q.device), scale)
+    got = gpt2_static.attend(q.to(dtype), keys.to(dtype), values.to(dtype), gpt2_static.causal_bias(n, start, dtype, q.device), scale)
     assert got.dtype == dtype and got.shape == (heads, n, dim)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.double(), expected, atol=tolerance, rtol=tolerance), (got.double() - expected).abs().max()
