@@ -10,9 +10,15 @@ the next-token loss on real training windows. At evenly spaced steps it prints t
 figures issue 4 asks of the pair: held-out loss, the distinct-4-gram share of 256-token
 greedy continuations, and the draft's greedy acceptance at k=4 (the draft unchanged).
 
+With `--agreement W` the target also learns to agree with its draft where it writes new
+text: on each fresh token of its continuation it takes W times the cross-entropy toward
+the draft's greedy choice there (the draft frozen), unless that choice would itself close a
+repeated 4-gram. Unlikelihood alone leaves the target's free choices where a small draft
+predicts them poorly; this term moves them toward the draft's.
+
 Terms: a *continuation* is what the model wrote after `start` real tokens; one of its
 tokens is *repeated* when it lies in a 4-gram that already occurred earlier in the same
-sequence (prefix included).
+sequence (prefix included). A token is *fresh* when it is not repeated.
 """
 
 from __future__ import annotations
@@ -50,6 +56,32 @@ def repeated_tokens(tokens: list[int], start: int, n: int = NGRAM) -> torch.Tens
     return mask
 
 
+def closes_repeat(tokens: list[int], start: int, choices: list[int], n: int = NGRAM) -> torch.Tensor:
+    """[len(choices)] bool: whether writing choices[j] at position start+j, after
+    tokens[:start+j], would complete an n-gram that already lies wholly in tokens[:start+j]."""
+    mask = torch.zeros(len(choices), dtype=torch.bool)
+    seen = {tuple(tokens[i : i + n]) for i in range(max(0, start - n + 1))}  # the n-grams ending before start
+    for j, choice in enumerate(choices):
+        p = start + j
+        if p >= n - 1:
+            mask[j] = tuple(tokens[p - n + 1 : p]) + (choice,) in seen
+        if p - n + 1 >= 0:
+            seen.add(tuple(tokens[p - n + 1 : p + 1]))  # the n-gram ending at p is before the next position
+    return mask
+
+
+def agreement_loss(logits: torch.Tensor, choices: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy toward the draft's choices, summed over the counted positions, divided
+    by all positions.
+
+    logits:  [rows, length, vocab] the target's next-token logits at each position
+    choices: [rows, length]        the draft's greedy token at each position
+    counted: [rows, length] bool   where to pull the target toward it
+    """
+    ce = F.cross_entropy(logits.float().flatten(0, 1), choices.flatten(), reduction="none").view_as(choices)
+    return (ce * counted).sum() / counted.numel()
+
+
 def unlikelihood_loss(logits: torch.Tensor, tokens: torch.Tensor, repeated: torch.Tensor) -> torch.Tensor:
     """-log(1 - p(token)) summed over the repeated positions, divided by all positions.
 
@@ -68,6 +100,7 @@ class Tune:
     evals: int = 4  # evaluations, evenly spaced, the last after the last step (plus one before the first)
     lr: float = 1e-4  # AdamW's, after a 10-step warm-up
     weight: float = 1.0  # of the unlikelihood loss beside the next-token loss
+    agreement: float = 0.0  # of the draft-agreement loss on fresh tokens; 0: none
     rows: int = 16  # continuations (and real windows) per step
     prefix: int = 48  # training tokens each continuation starts from
     new_tokens: int = 128  # tokens of each continuation
@@ -79,10 +112,12 @@ class Tune:
 
 
 def step_loss(
-    model: GPT2LMHeadModel, train_ids: torch.Tensor, tune: Tune, data: torch.Generator, dtype: torch.dtype = torch.float32
+    model: GPT2LMHeadModel, train_ids: torch.Tensor, tune: Tune, data: torch.Generator, dtype: torch.dtype = torch.float32,
+    draft: GPT2LMHeadModel | None = None,
 ) -> tuple[torch.Tensor, int]:  # fmt: skip
     """One step's loss: the next-token loss on real windows plus weight times the
-    unlikelihood of the repeated tokens of the model's own greedy continuations."""
+    unlikelihood of the repeated tokens of the model's own greedy continuations, plus, with a
+    draft, agreement times the agreement loss on their fresh tokens."""
     device = next(model.parameters()).device
     prefixes = R.windows(train_ids, tune.rows, tune.prefix, data).to(device)
     with torch.no_grad(), R.autocast(dtype, device):
@@ -93,9 +128,15 @@ def step_loss(
     repeated = torch.stack([repeated_tokens(row.tolist(), tune.prefix) for row in rows])[:, tune.prefix :].to(device)
     with R.autocast(dtype, device):
         logits = model(input_ids=rows[:, :-1]).logits[:, tune.prefix - 1 :]  # the positions predicting the continuation
-    penalty = unlikelihood_loss(logits, rows[:, tune.prefix :], repeated)
+    penalty = tune.weight * unlikelihood_loss(logits, rows[:, tune.prefix :], repeated)
+    if draft is not None and tune.agreement:
+        with torch.no_grad(), R.autocast(dtype, device):
+            choices = draft(input_ids=rows[:, :-1]).logits[:, tune.prefix - 1 :].argmax(-1)
+        looping = [closes_repeat(row, tune.prefix, guess) for row, guess in zip(rows.tolist(), choices.tolist())]
+        counted = ~repeated & ~torch.stack(looping).to(device)
+        penalty = penalty + tune.agreement * agreement_loss(logits, choices, counted)
     real = R.windows(train_ids, tune.rows, tune.prefix + tune.new_tokens + 1, data).to(device)
-    return R.next_token_loss(model, real, dtype) + tune.weight * penalty, real[:, 1:].numel() + rows.numel()
+    return R.next_token_loss(model, real, dtype) + penalty, real[:, 1:].numel() + rows.numel()
 
 
 def tunable(path: Path) -> GPT2LMHeadModel:
@@ -107,14 +148,15 @@ def tunable(path: Path) -> GPT2LMHeadModel:
 def fine_tune(
     model: GPT2LMHeadModel, train_ids: torch.Tensor, tune: Tune, data: torch.Generator,
     dtype: torch.dtype = torch.float32, after_step: Callable[[int, int], None] | None = None,
+    draft: GPT2LMHeadModel | None = None,
 ) -> dict:  # fmt: skip
     """tune.steps steps of AdamW on step_loss (tune.lr after a 10-step warm-up), with the
     recipe's progress lines, on a model from `tunable`. The recipe runs this between
-    pretraining and distillation when its unlikelihood_steps is set."""
+    pretraining and distillation when its unlikelihood_steps is set (with no draft yet)."""
     opt = torch.optim.AdamW([{"params": list(model.parameters()), "scale": 1.0}], lr=tune.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return R.train(
         model, "unlikelihood", tune.steps, lambda step: tune.lr * min(1.0, (step + 1) / 10),
-        lambda _step: step_loss(model, train_ids, tune, data, dtype), [opt], after_step,
+        lambda _step: step_loss(model, train_ids, tune, data, dtype, draft), [opt], after_step,
     )  # fmt: skip
 
 
@@ -150,7 +192,7 @@ def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
             )
 
     measure(0, 0)
-    fine_tune(model, train_ids, tune, data, after_step=measure)
+    fine_tune(model, train_ids, tune, data, after_step=measure, draft=drafter.model if tune.agreement else None)
     if save:
         R.save(model, tokenizer, save)
     return points
@@ -162,12 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evals", type=int, default=Tune.evals)
     parser.add_argument("--lr", type=float, default=Tune.lr)
     parser.add_argument("--weight", type=float, default=Tune.weight, help="of the unlikelihood loss")
+    parser.add_argument("--agreement", type=float, default=Tune.agreement, help="of the draft-agreement loss")
     parser.add_argument("--seed", type=int, default=Tune.seed)
     parser.add_argument("--target", type=Path, default=R.MODELS_DIR / "target", help="the target to fine-tune")
     parser.add_argument("--draft", type=Path, default=R.MODELS_DIR / "draft", help="the draft whose acceptance is measured")
     parser.add_argument("--save", type=Path, help="save the fine-tuned target here")
     args = parser.parse_args(argv)
-    tune = Tune(steps=args.steps, evals=args.evals, lr=args.lr, weight=args.weight, seed=args.seed)
+    tune = Tune(
+        steps=args.steps, evals=args.evals, lr=args.lr, weight=args.weight, agreement=args.agreement, seed=args.seed
+    )
     torch.set_num_threads(2)
     run(tune, args.target, args.draft, args.save)
     return 0

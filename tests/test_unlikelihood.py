@@ -4,6 +4,7 @@ tool end to end at toy scale."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -33,6 +34,26 @@ def test_unlikelihood_loss_is_minus_log_one_minus_p_over_all_positions():
     loss = unlikelihood.unlikelihood_loss(logits, tokens, repeated)
     assert loss.item() == pytest.approx(2 * -math.log(0.75) / 6)
     assert unlikelihood.unlikelihood_loss(logits, tokens, torch.zeros_like(repeated)).item() == 0.0
+
+
+def test_a_draft_choice_closes_a_repeat_only_with_a_4gram_written_before_it():
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 9, 7, 8, 6, 0]
+    # at position 8, after 1 2 3, a draft choosing 4 would repeat 1 2 3 4; choosing 9 would not
+    assert unlikelihood.closes_repeat(tokens, 8, [4, 9]).tolist() == [True, False]
+    # 7 8 6 0 is written only later, so choosing 0 after 7 8 6 is no repeat yet
+    assert not unlikelihood.closes_repeat(tokens, 9, [1, 2, 0]).any()
+    # a choice closing a 4-gram of the continuation itself counts too
+    assert unlikelihood.closes_repeat([5, 6, 7, 8, 5, 6, 7, 8], 4, [5, 6, 7, 8]).tolist() == [False, False, False, True]
+
+
+def test_agreement_loss_is_the_cross_entropy_toward_the_choices_over_all_positions():
+    logits = torch.zeros(1, 4, 8)  # p = 1/8 for every token
+    logits[0, 1, 3] = 10.0
+    choices = torch.tensor([[0, 3, 5, 6]])
+    counted = torch.tensor([[True, True, False, False]])
+    expected = (math.log(8) + torch.log_softmax(logits[0, 1], -1)[3].neg().item()) / 4
+    assert unlikelihood.agreement_loss(logits, choices, counted).item() == pytest.approx(expected)
+    assert unlikelihood.agreement_loss(logits, choices, torch.zeros_like(counted)).item() == 0.0
 
 
 def test_an_unlikelihood_step_lowers_the_repeated_tokens_probability():
@@ -70,6 +91,11 @@ def test_fine_tuning_reports_loss_repetition_and_acceptance_and_saves_the_target
     tuned = CausalLM.load(ModelSpec(str(tmp_path / "tuned"))).model.state_dict()
     original = CausalLM.load(ModelSpec(str(tmp_path / "target"))).model.state_dict()
     assert any(not torch.equal(tuned[name], original[name]) for name in original)
+    # the same run pulled toward the draft's choices ends elsewhere: the draft takes part
+    pulled = dataclasses.replace(tune, agreement=5.0)
+    unlikelihood.run(pulled, tmp_path / "target", tmp_path / "draft", tmp_path / "agreed")
+    agreed = CausalLM.load(ModelSpec(str(tmp_path / "agreed"))).model.state_dict()
+    assert any(not torch.equal(agreed[name], tuned[name]) for name in tuned)
 
 
 def test_fine_tuning_refuses_a_pair_trained_on_another_corpus(tmp_path):
