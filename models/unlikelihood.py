@@ -59,14 +59,14 @@ def repeated_tokens(tokens: list[int], start: int, n: int = NGRAM) -> torch.Tens
 def closes_repeat(tokens: list[int], start: int, choices: list[int], n: int = NGRAM) -> torch.Tensor:
     """[len(choices)] bool: whether writing choices[j] at position start+j, after
     tokens[:start+j], would complete an n-gram that already lies wholly in tokens[:start+j]."""
+    first: dict[tuple[int, ...], int] = {}  # each n-gram's first start in tokens
+    for i in range(len(tokens) - n + 1):
+        first.setdefault(tuple(tokens[i : i + n]), i)
     mask = torch.zeros(len(choices), dtype=torch.bool)
-    seen = {tuple(tokens[i : i + n]) for i in range(max(0, start - n + 1))}  # the n-grams ending before start
     for j, choice in enumerate(choices):
         p = start + j
         if p >= n - 1:
-            mask[j] = tuple(tokens[p - n + 1 : p]) + (choice,) in seen
-        if p - n + 1 >= 0:
-            seen.add(tuple(tokens[p - n + 1 : p + 1]))  # the n-gram ending at p is before the next position
+            mask[j] = first.get(tuple(tokens[p - n + 1 : p]) + (choice,), p) + n <= p
     return mask
 
 
@@ -125,14 +125,15 @@ def step_loss(
             prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=tune.new_tokens, do_sample=False,
             pad_token_id=0, eos_token_id=None,
         )  # fmt: skip
-    repeated = torch.stack([repeated_tokens(row.tolist(), tune.prefix) for row in rows])[:, tune.prefix :].to(device)
+    sequences = rows.tolist()
+    repeated = torch.stack([repeated_tokens(row, tune.prefix) for row in sequences])[:, tune.prefix :].to(device)
     with R.autocast(dtype, device):
         logits = model(input_ids=rows[:, :-1]).logits[:, tune.prefix - 1 :]  # the positions predicting the continuation
     penalty = tune.weight * unlikelihood_loss(logits, rows[:, tune.prefix :], repeated)
-    if draft is not None and tune.agreement:
+    if tune.agreement:
         with torch.no_grad(), R.autocast(dtype, device):
             choices = draft(input_ids=rows[:, :-1]).logits[:, tune.prefix - 1 :].argmax(-1)
-        looping = [closes_repeat(row, tune.prefix, guess) for row, guess in zip(rows.tolist(), choices.tolist())]
+        looping = [closes_repeat(row, tune.prefix, guess) for row, guess in zip(sequences, choices.tolist())]
         counted = ~repeated & ~torch.stack(looping).to(device)
         penalty = penalty + tune.agreement * agreement_loss(logits, choices, counted)
     real = R.windows(train_ids, tune.rows, tune.prefix + tune.new_tokens + 1, data).to(device)
@@ -153,6 +154,8 @@ def fine_tune(
     """tune.steps steps of AdamW on step_loss (tune.lr after a 10-step warm-up), with the
     recipe's progress lines, on a model from `tunable`. The recipe runs this between
     pretraining and distillation when its unlikelihood_steps is set (with no draft yet)."""
+    if tune.agreement and draft is None:
+        raise ValueError("the agreement loss needs a draft")
     opt = torch.optim.AdamW([{"params": list(model.parameters()), "scale": 1.0}], lr=tune.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return R.train(
         model, "unlikelihood", tune.steps, lambda step: tune.lr * min(1.0, (step + 1) / 10),
@@ -192,7 +195,7 @@ def run(tune: Tune, target: Path, draft: Path, save: Path | None) -> list[dict]:
             )
 
     measure(0, 0)
-    fine_tune(model, train_ids, tune, data, after_step=measure, draft=drafter.model if tune.agreement else None)
+    fine_tune(model, train_ids, tune, data, after_step=measure, draft=drafter.model)
     if save:
         R.save(model, tokenizer, save)
     return points
