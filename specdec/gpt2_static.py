@@ -72,10 +72,15 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     last query's: q [H, n, D], keys and values [H, end, D], bias from causal_bias -> [H, n, D]."""
     if q.device.type != "cpu" or q.shape[1] > MATMUL_ATTENTION_MAX_POSITIONS:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
-    scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)  # [H, n, end]; softmax in float32
+    scores = torch.bmm(q, keys.transpose(1, 2))  # [H, n, end]
+    # Cast only where needed: a cast to the dtype a tensor has is still a dispatched op.
+    if scores.dtype != torch.float32:
+        scores = scores.float()  # softmax in float32
+    scores.mul_(scale)
     if bias is not None:
         scores.add_(bias)
-    return torch.bmm(torch.softmax(scores, -1).to(values.dtype), values)
+    weights = torch.softmax(scores, -1)
+    return torch.bmm(weights if weights.dtype == values.dtype else weights.to(values.dtype), values)
 
 
 def supports(model: PreTrainedModel) -> str | None:
@@ -115,6 +120,11 @@ class StaticCache:
         self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.capacity = capacity
+        # Each layer's [heads, capacity, head_dim] views, made once: indexing the 4-d buffers
+        # with a tuple in every layer of every step costs more than the single-token
+        # attention itself on a small model.
+        self.layer_keys = list(self.keys.unbind(0))
+        self.layer_values = list(self.values.unbind(0))
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -130,22 +140,26 @@ class StaticGPT2:
         self.width = config.n_embd
         self.head_dim = self.width // self.heads
         self.eps = config.layer_norm_epsilon
-        self.wte = t.wte.weight
-        self.wpe = t.wpe.weight
-        self.lm_head = model.lm_head.weight  # [V, C], tied to wte in GPT-2
-        self.ln_f = (t.ln_f.weight, t.ln_f.bias)
+        # Detached views of the weights (they follow the model's own, in place): no forward
+        # here records an autograd graph, so none needs a grad mode around it, which on
+        # every call cost a single-token step of the draft 6%.
+        self.wte = t.wte.weight.detach()
+        self.wpe = t.wpe.weight.detach()
+        self.lm_head = model.lm_head.weight.detach()  # [V, C], tied to wte in GPT-2
+        self._head_t = self.lm_head.t()  # [C, V], a view
+        self.ln_f = (t.ln_f.weight.detach(), t.ln_f.bias.detach())
         self.layers = [
             _Layer(
-                ln1=(block.ln_1.weight, block.ln_1.bias),
-                attn_w=block.attn.c_attn.weight,
-                attn_b=block.attn.c_attn.bias,
-                proj_w=block.attn.c_proj.weight,
-                proj_b=block.attn.c_proj.bias,
-                ln2=(block.ln_2.weight, block.ln_2.bias),
-                fc_w=block.mlp.c_fc.weight,
-                fc_b=block.mlp.c_fc.bias,
-                out_w=block.mlp.c_proj.weight,
-                out_b=block.mlp.c_proj.bias,
+                ln1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
+                attn_w=block.attn.c_attn.weight.detach(),
+                attn_b=block.attn.c_attn.bias.detach(),
+                proj_w=block.attn.c_proj.weight.detach(),
+                proj_b=block.attn.c_proj.bias.detach(),
+                ln2=(block.ln_2.weight.detach(), block.ln_2.bias.detach()),
+                fc_w=block.mlp.c_fc.weight.detach(),
+                fc_b=block.mlp.c_fc.bias.detach(),
+                out_w=block.mlp.c_proj.weight.detach(),
+                out_b=block.mlp.c_proj.bias.detach(),
             )
             for block in t.h
         ]
@@ -164,7 +178,6 @@ class StaticGPT2:
     def new_cache(self, capacity: int) -> StaticCache:
         return StaticCache(len(self.layers), self.heads, capacity, self.head_dim, self.wte.dtype, self.wte.device)
 
-    @torch.inference_mode()
     def forward(self, cache: StaticCache, start: int, ids: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of ids [n] at positions start..start+n-1; writes their keys and
         values into the cache at those positions."""
@@ -178,22 +191,29 @@ class StaticGPT2:
                 for l in self.layers
             ]  # fmt: skip
             self._packed_head = _packed(self.lm_head)
-        x = self.wte[ids] + self.wpe[start:end]  # [n, C]
+        x = torch.index_select(self.wte, 0, ids).add_(self.wpe[start:end])  # [n, C]
         bias = causal_bias(n, start, x.dtype, x.device)
         scale = 1.0 / math.sqrt(self.head_dim)
         layers, linear = (self._packed_layers, _packed_linear) if self._packed_layers else (self.layers, _addmm_linear)
-        for index, layer in enumerate(layers):
+        # A decode step (one position) takes q, k, v and the attention's output as plain views
+        # instead of permutes and reshapes: on a small draft each op is a visible part of a step.
+        step = n == 1
+        for layer, keys, values in zip(layers, cache.layer_keys, cache.layer_values):
             h = F.layer_norm(x, (self.width,), *layer.ln1, self.eps)
-            qkv = linear(h, layer.attn_w, layer.attn_b).view(n, 3, self.heads, self.head_dim)
-            q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, n, D]
-            cache.keys[index, :, start:end] = k
-            cache.values[index, :, start:end] = v
-            attended = attend(q, cache.keys[index, :, :end], cache.values[index, :, :end], bias, scale)  # [H, n, D]
-            x = x + linear(attended.transpose(0, 1).reshape(n, self.width), layer.proj_w, layer.proj_b)
+            qkv = linear(h, layer.attn_w, layer.attn_b)  # [n, 3C]
+            if step:
+                q, k, v = qkv.view(3, self.heads, 1, self.head_dim)  # each [H, 1, D]
+            else:
+                q, k, v = qkv.view(n, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)  # each [H, n, D]
+            keys.narrow(1, start, n).copy_(k)
+            values.narrow(1, start, n).copy_(v)
+            attended = attend(q, keys.narrow(1, 0, end), values.narrow(1, 0, end), bias, scale)  # [H, n, D]
+            attended = attended.view(1, self.width) if step else attended.transpose(0, 1).reshape(n, self.width)
+            x = linear(attended, layer.proj_w, layer.proj_b).add_(x)
             h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
             h = F.gelu(linear(h, layer.fc_w, layer.fc_b), approximate="tanh")
-            x = x + linear(h, layer.out_w, layer.out_b)
+            x = linear(h, layer.out_w, layer.out_b).add_(x)
         x = F.layer_norm(x, (self.width,), *self.ln_f, self.eps)
         if self._packed_head is not None:
             return _packed_linear(x, self._packed_head, None)
-        return x @ self.lm_head.T
+        return torch.mm(x, self._head_t)

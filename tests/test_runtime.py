@@ -60,6 +60,17 @@ def test_static_forward_matches_transformers_through_steps_and_rollbacks(pair):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_static_forward_records_no_autograd_graph(toy):
+    """The lean forward enters no grad mode of its own (a per-call cost on a draft's step),
+    so it must read weights that record nothing, whoever calls it and however."""
+    model = CausalLM.load(ModelSpec(str(toy.target)))
+    assert all(parameter.requires_grad for parameter in model.model.parameters())
+    cache = model._static.new_cache(8)
+    logits = model._static.forward(cache, 0, torch.tensor([1, 2, 3]))
+    assert logits.grad_fn is None and not logits.requires_grad
+    assert not cache.keys.requires_grad and not cache.values.requires_grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 9, gpt2_static.MATMUL_ATTENTION_MAX_POSITIONS, gpt2_static.MATMUL_ATTENTION_MAX_POSITIONS + 1])
 def test_attention_is_causal_softmax_attention_on_both_paths(n, dtype):
