@@ -12,7 +12,9 @@ seconds-long run at tiny sizes, as the test suite does).
    target's next-token distributions (KL divergence), not the corpus tokens, on a mix of
    real training windows and the target's own greedy continuations of training-file
    prefixes, the text it will be asked to predict when it drafts (on-policy data, as in
-   DistillSpec, Zhou et al. 2023).
+   DistillSpec, Zhou et al. 2023). Where coadaptation.target_steps is set, rounds follow
+   in which the target is tuned toward its draft and the draft re-distilled from it
+   (models/coadapt.py; `--coadapt-only` runs them on a pair already trained).
 5. Evaluation of the saved pair, loaded like any checkpoint: held-out losses beside a
    unigram baseline, greedy acceptance at k=4 on the held-out prompts, distinct 4-grams
    of 256-token greedy continuations beside those of the held-out files' own next 256
@@ -69,6 +71,22 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class Coadaptation:
+    """Rounds after distillation in which target and draft move toward each other
+    (models/coadapt.py): each tunes the target toward its draft, then re-distils the draft
+    from that target, warm-started."""
+
+    target_steps: tuple[int, ...] = ()  # one entry per round: steps tuning the target; (): no rounds
+    unlikelihood: float = 2.0  # weight of the unlikelihood term while the target is tuned ...
+    agreement: float = 3.0  # ... and of the agreement term toward the draft's greedy choices
+    draft_steps: int = 1200  # re-distillation steps per round
+    draft_lr: float = 3e-4  # their peak learning rate
+    top1: float = 1.0  # weight of a cross-entropy toward the target's greedy token beside the KL
+    rows: int = 1024  # the tuned target's greedy continuations each re-distillation trains on
+    batch_tokens: int = 4096  # tokens per re-distillation step
+
+
+@dataclass(frozen=True)
 class Recipe:
     seed: int = 0
     vocab_size: int = 4096
@@ -106,6 +124,7 @@ class Recipe:
     onpolicy_batch: int = 32  # continuations generated at once
     compile: bool = True  # torch.compile the training forwards (1.45x in bfloat16, 1.22x in float32, where measured)
     precision: str = "auto"  # one of PRECISIONS: the training forwards' arithmetic
+    coadaptation: Coadaptation = Coadaptation()  # rounds after distillation (the cpu preset: none)
 
 
 TOY = Recipe(
@@ -115,15 +134,19 @@ TOY = Recipe(
     onpolicy_rows=4, onpolicy_prefix=8, onpolicy_new_tokens=8,
     batch_tokens=256, short_seq=32, prompts=3, prompt_lines=4, prompt_max_tokens=16,
     eval_tokens=512, acceptance_tokens=12, distinct_tokens=16, compile=False,
+    coadaptation=Coadaptation(target_steps=(2,), draft_steps=3, rows=4, batch_tokens=256),
 )  # fmt: skip
 
 # The same recipe on one H200: 16x the batch and 12x the tokens (30 passes over the corpus
 # where the CPU preset makes 2.6), hence dropout. Chosen among four target runs there
 # (4-16 passes; dropout 0, 0.1, 0.2; Muon or AdamW): Muon with dropout 0.2 and the most
 # passes reached the lowest held-out loss and the least repetitive greedy continuations.
+# Then two co-adaptation rounds, sized for a CPU (the committed pair ran them on this
+# project's 2-core one with `--coadapt-only --device cpu`, 64 min).
 H200 = Recipe(
     target_steps=1200, onpolicy_rows=8192, onpolicy_batch=1024, draft_steps=3000, batch_tokens=65536,
     target_lr=2e-3, target_optimizer="muon", threads=8, device="cuda", dropout=0.2, compile=False,
+    coadaptation=Coadaptation(target_steps=(240, 120)),
 )  # fmt: skip
 PRESETS = {"cpu": Recipe(), "h200": H200, "toy": TOY}
 
@@ -362,8 +385,12 @@ def distillation_batch(
     return torch.cat([picked, windows(ids, half, continuations.shape[1], generator)])
 
 
-def distillation_loss(teacher: torch.nn.Module, model: torch.nn.Module, batch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """KL(target || draft) of the next-token distributions at every position."""
+def distillation_loss(
+    teacher: torch.nn.Module, model: torch.nn.Module, batch: torch.Tensor, dtype: torch.dtype, top1: float = 0.0
+) -> torch.Tensor:  # fmt: skip
+    """KL(target || draft) of the next-token distributions at every position, plus top1
+    times the cross-entropy toward the target's likeliest token: the one token greedy
+    verification checks."""
     inputs = batch[:, :-1]
     with torch.no_grad(), autocast(dtype, batch.device):
         target_logits = teacher(input_ids=inputs).logits
@@ -371,7 +398,8 @@ def distillation_loss(teacher: torch.nn.Module, model: torch.nn.Module, batch: t
         draft_logits = model(input_ids=inputs).logits
     target_logp = F.log_softmax(target_logits.float(), dim=-1).flatten(0, 1)
     draft_logp = F.log_softmax(draft_logits.float(), dim=-1).flatten(0, 1)
-    return F.kl_div(draft_logp, target_logp, log_target=True, reduction="batchmean")
+    loss = F.kl_div(draft_logp, target_logp, log_target=True, reduction="batchmean")
+    return loss + top1 * F.nll_loss(draft_logp, target_logp.argmax(-1)) if top1 else loss
 
 
 def compiled(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
@@ -499,20 +527,33 @@ def evaluate(
 # model cards ---------------------------------------------------------------------------
 
 
+def changed_settings(fields: dict, preset: dict) -> list[str]:
+    """'field=value' for each recipe field that differs from the preset's: a Shape as
+    --draft-shape takes it, the co-adaptation's fields one by one."""
+    changed = []
+    for field, value in fields.items():
+        if field == "coadaptation":
+            changed += [
+                f"coadaptation.{name}={','.join(map(str, part)) if isinstance(part, list) else part}"
+                for name, part in value.items() if preset[field].get(name) != part
+            ]  # fmt: skip
+        elif preset.get(field) != value:
+            changed.append(f"{field}={','.join(map(str, value.values())) if isinstance(value, dict) else value}")
+    return changed
+
+
 def model_card(name: str, shape: Shape, report: dict) -> str:
     e, t = report["evaluation"], report["training"][name]
     costs = e["costs"]
-    preset = dataclasses.asdict(PRESETS[report["preset"]])
-    changed = ", ".join(
-        f"{field}={','.join(map(str, value.values())) if isinstance(value, dict) else value}"  # a Shape as --draft-shape takes it
-        for field, value in report["recipe"].items() if preset.get(field) != value
-    )  # fmt: skip
+    changed = ", ".join(changed_settings(report["recipe"], recipe_fields(PRESETS[report["preset"]])))
     lines = [
         f"# specdec default {name}",
         "",
         f"Made by `python -m models.recipe --preset {report['preset']}`{f' with {changed}' if changed else ''} "
         f"(seed {report['recipe']['seed']}); "
-        f"trained on {report['machine']}, evaluated on {costs['threads']} threads of {costs['machine']}.",
+        f"trained on {report['machine']}"
+        + (f", co-adapted on {report['coadaptation_machine']}" if "coadaptation_machine" in report else "")
+        + f", evaluated on {costs['threads']} threads of {costs['machine']}.",
         "Python standard-library sources "
         f"({report['corpus']['python']}), tests and generated tables excluded; "
         f"{report['corpus']['train_files']} training files ({report['corpus']['train_tokens']} tokens), "
@@ -529,10 +570,17 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
         f"| one forward step | {costs[name + '_step_ms']:.2f} ms (batch 1, cache of {costs['context']} tokens, "
         f"{costs['runtime']} runtime, {costs['threads']} CPU threads) |",
     ]
+    rounds = report["training"].get("coadaptation", [])
+    settings = report["recipe"].get("coadaptation", {})
     if name == "draft":
         lines += [
             "| objective | KL divergence to the target's next-token distributions (distillation), on real "
-            f"windows and {report['recipe']['onpolicy_rows']} greedy continuations by the target |",
+            f"windows and {report['recipe']['onpolicy_rows']} greedy continuations by the target"
+            + (f"; then re-distilled in {len(rounds)} co-adaptation round(s) from the target tuned toward it "
+               f"(KL plus {settings['top1']} x cross-entropy toward its greedy token, {settings['rows']} fresh "
+               f"continuations each; {sum(r['draft']['tokens'] for r in rounds):,} tokens, "
+               f"{sum(r['draft']['seconds'] for r in rounds) / 60:.1f} min)" if rounds else "")
+            + " |",
             f"| greedy acceptance vs the target | {e['acceptance_rate']:.3f} at k={e['acceptance_k']} "
             f"on {len(e['per_prompt'])} held-out prompts ({e['acceptance_tokens_per_prompt']} new tokens each) |",
             f"| cost ratio c (draft step / target step) | {costs['c']:.3f} |",
@@ -543,6 +591,11 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
             "| objective | next-token cross-entropy"
             + (f"; then {tuned['steps']} steps of sequence-level unlikelihood on its own greedy continuations "
                f"({tuned['tokens']:,} tokens, {tuned['seconds'] / 60:.1f} min)" if tuned else "")
+            + (f"; then {len(rounds)} co-adaptation round(s), each tuning it toward its draft "
+               f"({'+'.join(str(r['target']['steps']) for r in rounds)} steps of unlikelihood, weight "
+               f"{settings['unlikelihood']}, and agreement with the draft's greedy choices, weight {settings['agreement']}; "
+               f"{sum(r['target']['tokens'] for r in rounds):,} tokens, {sum(r['target']['seconds'] for r in rounds) / 60:.1f} min)"
+               if rounds else "")
             + " |",
             f"| verify cost v(4), v(8) | {costs['v4']:.2f}, {costs['v8']:.2f} (k+1 positions / one step) |",
             f"| distinct 4-grams, {report['recipe']['distinct_tokens']}-token greedy continuations | "
@@ -556,6 +609,19 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
 # the recipe ----------------------------------------------------------------------------
 
 COST_THREADS = 2  # the sizing's: forward costs are measured on 2 CPU threads, batch 1
+
+
+def recipe_fields(recipe: Recipe) -> dict:
+    """The recipe as report.json holds it (tuples as lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(recipe)))
+
+
+def recipe_from_report(fields: dict) -> Recipe:
+    rounds = fields.get("coadaptation", {})
+    return Recipe(**{
+        **fields, "target": Shape(**fields["target"]), "draft": Shape(**fields["draft"]),
+        "coadaptation": Coadaptation(**{**rounds, "target_steps": tuple(rounds.get("target_steps", ()))}),
+    })  # fmt: skip
 
 
 def training_machine(recipe: Recipe, dtype: torch.dtype) -> str:
@@ -624,9 +690,13 @@ def train_pair(recipe: Recipe, out: Path, preset: str, stdlib: Path | None = Non
         optimizers(draft, recipe.draft_lr),
     )  # fmt: skip
     save(draft, tokenizer, out / "draft")
+    if recipe.coadaptation.target_steps:
+        from models.coadapt import run_rounds  # that module builds on this one's helpers
+
+        stats["coadaptation"] = run_rounds(out, recipe, train_ids, dtype)
     report = {
         "preset": preset,
-        "recipe": dataclasses.asdict(recipe),
+        "recipe": recipe_fields(recipe),
         "machine": training_machine(recipe, dtype),
         "corpus": {
             "python": sys.version.split()[0] if stdlib is None else f"the copy in {stdlib.name}",
@@ -647,8 +717,7 @@ def evaluate_pair(out: Path, stdlib: Path | None = None) -> dict:
     """Step 5 on this machine: the saved pair's losses, acceptance, repetition and costs,
     added to out/report.json, and the model cards. The corpus must be the training one."""
     report = json.loads((out / "report.json").read_text())
-    fields = report["recipe"]
-    recipe = Recipe(**{**fields, "target": Shape(**fields["target"]), "draft": Shape(**fields["draft"])})
+    recipe = recipe_from_report(report["recipe"])
     torch.set_num_threads(COST_THREADS)
     started = time.perf_counter()
     sources = stdlib_sources(recipe.max_files, stdlib)
@@ -693,6 +762,17 @@ def shape_arg(text: str) -> Shape:
     return Shape(layers, width, heads)
 
 
+def steps_arg(text: str) -> tuple[int, ...]:
+    """'240,120' -> (240, 120); '' -> () (no rounds)."""
+    try:
+        steps = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step counts separated by commas, got {text!r}") from None
+    if any(n < 1 for n in steps):
+        raise argparse.ArgumentTypeError(f"each round needs at least one step, got {text!r}")
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=MODELS_DIR, help="where the pair, prompts and report go")
@@ -711,10 +791,19 @@ def main(argv: list[str] | None = None) -> int:
         help="fine-tune the target with N steps of sequence-level unlikelihood before distilling the draft (default: the preset's)",
     )  # fmt: skip
     parser.add_argument("--draft-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the draft's shape (default: the preset's)")
+    parser.add_argument(
+        "--coadapt", type=steps_arg, metavar="N[,N...]",
+        help="after distillation, one co-adaptation round per N: N steps tuning the target toward its draft, then the draft re-distilled from it (default: the preset's)",
+    )  # fmt: skip
+    parser.add_argument("--device", choices=DEVICES, help="where training runs (default: the preset's)")
     parser.add_argument("--stdlib", type=Path, help="read the corpus from this copy of a standard library instead of this interpreter's")
     step = parser.add_mutually_exclusive_group()
     step.add_argument("--train-only", action="store_true", help="steps 1-4 only (on a GPU, say); evaluate later with --evaluate")
     step.add_argument("--evaluate", action="store_true", help="step 5 only, on the pair already trained in --out")
+    step.add_argument(
+        "--coadapt-only", action="store_true",
+        help="the --coadapt rounds not yet run, on the pair already trained in --out; evaluate it again afterwards",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     preset = "toy" if args.toy else args.preset
     recipe = dataclasses.replace(PRESETS[preset], precision=args.precision)
@@ -726,7 +815,17 @@ def main(argv: list[str] | None = None) -> int:
         recipe = dataclasses.replace(recipe, unlikelihood_steps=args.unlikelihood_steps)
     if args.draft_shape:
         recipe = dataclasses.replace(recipe, draft=args.draft_shape)
-    if args.evaluate:
+    if args.coadapt is not None:
+        recipe = dataclasses.replace(recipe, coadaptation=dataclasses.replace(recipe.coadaptation, target_steps=args.coadapt))
+    if args.device:
+        recipe = dataclasses.replace(recipe, device=args.device)
+    if args.coadapt_only:
+        if not args.coadapt:
+            parser.error("--coadapt-only needs --coadapt")
+        from models.coadapt import coadapt_pair
+
+        coadapt_pair(args.out, args.coadapt, args.device, args.stdlib)
+    elif args.evaluate:
         evaluate_pair(args.out, args.stdlib)
     elif args.train_only:
         train_pair(recipe, args.out, preset, args.stdlib)
