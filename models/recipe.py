@@ -415,6 +415,10 @@ def save(model: GPT2LMHeadModel, tokenizer: PreTrainedTokenizerFast, path: Path)
     model.to(torch.float16).save_pretrained(path)
     model.to(torch.float32)
     tokenizer.save_pretrained(path)
+    # transformers records where a loaded tokenizer came from; that is not part of the pair
+    config = path / "tokenizer_config.json"
+    fields = json.loads(config.read_text())
+    config.write_text(json.dumps({k: v for k, v in fields.items() if k not in ("is_local", "local_files_only")}, indent=2) + "\n")
 
 
 # 5. evaluation ------------------------------------------------------------------------

@@ -44,6 +44,7 @@ def test_recipe_runs_end_to_end_at_toy_scale_and_repeats(tmp_path):
     assert "steps of sequence-level unlikelihood" in (tmp_path / "a" / "target" / "README.md").read_text()
     assert [r["round"] for r in first["training"]["coadaptation"]] == [1] == [len(recipe.TOY.coadaptation.target_steps)]
     assert "re-distilled in 1 co-adaptation round(s)" in (tmp_path / "a" / "draft" / "README.md").read_text()
+    assert "is_local" not in json.loads((tmp_path / "a" / "draft" / "tokenizer_config.json").read_text())  # saved by a round
     second = recipe.run(recipe.TOY, tmp_path / "b", "toy")  # same seed: same pair, same figures
     assert (tmp_path / "a" / "target" / "model.safetensors").read_bytes() == (tmp_path / "b" / "target" / "model.safetensors").read_bytes()
     assert second["evaluation"]["acceptance_rate"] == first["evaluation"]["acceptance_rate"]
