@@ -32,10 +32,6 @@ from models.unlikelihood import Tune, fine_tune, tunable
 CPU_GENERATE_ROWS = 64  # continuations generated at once on a CPU, where a larger batch only grows the cache
 
 
-def round_seed(seed: int, number: int) -> int:
-    return seed * 1000 + number
-
-
 def run_rounds(out: Path, recipe: R.Recipe, train_ids: torch.Tensor, dtype: torch.dtype, first: int = 1) -> list[dict]:
     """The co-adaptation rounds of `recipe` numbered from `first`, on the pair saved in
     `out` (replaced after each half-round); the training figures of each."""
@@ -46,9 +42,9 @@ def run_rounds(out: Path, recipe: R.Recipe, train_ids: torch.Tensor, dtype: torc
     sizing = dataclasses.replace(recipe, onpolicy_rows=rounds.rows, onpolicy_batch=rows_at_once, batch_tokens=rounds.batch_tokens)
     stats = []
     for number, target_steps in enumerate(rounds.target_steps[first - 1 :], first):
-        started = time.perf_counter()
-        torch.manual_seed(round_seed(recipe.seed, number))
-        data = torch.Generator().manual_seed(round_seed(recipe.seed, number))
+        started, seed = time.perf_counter(), recipe.seed * 1000 + number
+        torch.manual_seed(seed)
+        data = torch.Generator().manual_seed(seed)
         R.log(f"[round {number}] tuning the target toward its draft ({target_steps} steps)")
         draft = GPT2LMHeadModel.from_pretrained(out / "draft", dtype=torch.float32).to(device).eval()
         target = tunable(out / "target").to(device)
@@ -59,19 +55,10 @@ def run_rounds(out: Path, recipe: R.Recipe, train_ids: torch.Tensor, dtype: torc
         target_stats = fine_tune(target, train_ids, tune, data, dtype, draft=draft)
         R.save(target, tokenizer, out / "target")
         R.log(f"[round {number}] re-distilling the draft from it ({rounds.draft_steps} steps)")
-        teacher = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()  # as served
-        continuations = R.greedy_continuations(teacher, train_ids, sizing, data, dtype)
-        fast_teacher, fast_draft = R.compiled(teacher, recipe), R.compiled(draft, recipe)
-
-        def distillation_step(step: int):
-            batch = R.distillation_batch(train_ids, continuations, sizing, step, data).to(device)
-            return R.distillation_loss(fast_teacher, fast_draft, batch, dtype, rounds.top1), batch[:, 1:].numel()
-
-        draft_stats = R.train(
-            draft, f"draft, round {number}", rounds.draft_steps, R.cosine(rounds.draft_lr, rounds.draft_steps),
-            distillation_step, R.optimizers(draft, rounds.draft_lr),
+        draft_stats = R.distil(
+            draft, out, tokenizer, train_ids, sizing, data, dtype, f"draft, round {number}", rounds.draft_steps,
+            rounds.draft_lr, rounds.top1,
         )  # fmt: skip
-        R.save(draft, tokenizer, out / "draft")
         stats.append({"round": number, "target": target_stats, "draft": draft_stats})
         R.log(f"[round {number}] done in {(time.perf_counter() - started) / 60:.1f} min")
     return stats

@@ -402,6 +402,27 @@ def distillation_loss(
     return loss + top1 * F.nll_loss(draft_logp, target_logp.argmax(-1)) if top1 else loss
 
 
+def distil(
+    draft: GPT2LMHeadModel, out: Path, tokenizer: PreTrainedTokenizerFast, train_ids: torch.Tensor, recipe: Recipe,
+    data: torch.Generator, dtype: torch.dtype, name: str, steps: int, lr: float, top1: float = 0.0,
+) -> dict:  # fmt: skip
+    """Distils `draft` from the target saved in out (exactly as the services will run it) for
+    `steps` steps on real windows and recipe.onpolicy_rows of that target's greedy
+    continuations, saves it to out/draft and returns its training figures."""
+    device = next(draft.parameters()).device
+    saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
+    continuations = greedy_continuations(saved_target, train_ids, recipe, data, dtype)
+    teacher, fast_draft = compiled(saved_target, recipe), compiled(draft, recipe)
+
+    def distillation_step(step: int):
+        batch = distillation_batch(train_ids, continuations, recipe, step, data).to(device)
+        return distillation_loss(teacher, fast_draft, batch, dtype, top1), batch[:, 1:].numel()
+
+    stats = train(draft, name, steps, cosine(lr, steps), distillation_step, optimizers(draft, lr))
+    save(draft, tokenizer, out / "draft")
+    return stats
+
+
 def compiled(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     """The model's forward compiled for training speed (same parameters, same results)."""
     return torch.compile(model, dynamic=False) if recipe.compile else model
@@ -678,22 +699,8 @@ def train_pair(recipe: Recipe, out: Path, preset: str, stdlib: Path | None = Non
         tuned = tunable(out / "target").to(device)
         stats["unlikelihood"] = fine_tune(tuned, train_ids, tune, data, dtype)
         save(tuned, tokenizer, out / "target")
-    # The teacher is the saved target, exactly as the services will run it.
-    saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
-    continuations = greedy_continuations(saved_target, train_ids, recipe, data, dtype)
-    teacher = compiled(saved_target, recipe)
     draft = new_gpt2(recipe.draft, tokenizer, recipe.context).to(device)
-    fast_draft = compiled(draft, recipe)
-
-    def distillation_step(step: int):
-        batch = distillation_batch(train_ids, continuations, recipe, step, data).to(device)
-        return distillation_loss(teacher, fast_draft, batch, dtype), batch[:, 1:].numel()
-
-    draft_stats = train(
-        draft, "draft", recipe.draft_steps, cosine(recipe.draft_lr, recipe.draft_steps), distillation_step,
-        optimizers(draft, recipe.draft_lr),
-    )  # fmt: skip
-    save(draft, tokenizer, out / "draft")
+    draft_stats = distil(draft, out, tokenizer, train_ids, recipe, data, dtype, "draft", recipe.draft_steps, recipe.draft_lr)
     if recipe.coadaptation.target_steps:
         from models.coadapt import run_rounds  # that module builds on this one's helpers
 
