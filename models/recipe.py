@@ -35,6 +35,8 @@ import hashlib
 import json
 import math
 import re
+import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -118,6 +120,7 @@ class Recipe:
     acceptance_tokens: int = 128  # new tokens per prompt when measuring acceptance
     distinct_tokens: int = 256  # new tokens per prompt for the distinct-4-gram share
     k: int = 4  # draft tokens per round when measuring acceptance
+    cost_processes: int = 5  # fresh processes that each measure the forward costs; the report takes medians
     threads: int = 2
     device: str = "cpu"  # one of DEVICES: where steps 1-4 train (the evaluation runs on the CPU)
     dropout: float = 0.0  # the target's, while it trains (many epochs over the corpus call for some)
@@ -133,7 +136,7 @@ TOY = Recipe(
     unlikelihood_steps=2, unlikelihood_rows=2, unlikelihood_new_tokens=8,
     onpolicy_rows=4, onpolicy_prefix=8, onpolicy_new_tokens=8,
     batch_tokens=256, short_seq=32, prompts=3, prompt_lines=4, prompt_max_tokens=16,
-    eval_tokens=512, acceptance_tokens=12, distinct_tokens=16, compile=False,
+    eval_tokens=512, acceptance_tokens=12, distinct_tokens=16, compile=False, cost_processes=1,
     coadaptation=Coadaptation(target_steps=(2,), draft_steps=3, rows=4, batch_tokens=256),
 )  # fmt: skip
 
@@ -479,12 +482,33 @@ def real_continuation(tokenizer: PreTrainedTokenizerFast, source: Source, prompt
     return tokenizer.encode(source.text[len(prompt) :])[:length]
 
 
+def measured_costs(target_dir: Path, draft_dir: Path, recipe: Recipe) -> dict:
+    """The pair's forward costs (DESIGN.md's c and v(k)): `python -m specdec.costs` in
+    recipe.cost_processes fresh processes, one after another, each figure the median over
+    them and c's value in each beside it. The figures vary from process to process: c of
+    the committed pair ranged 0.076-0.101 over twelve."""
+    from specdec.host import cpu_model
+
+    context = min(512, recipe.context // 2)
+    command = [sys.executable, "-m", "specdec.costs", str(target_dir), str(draft_dir), "--context", str(context), "--threads", str(COST_THREADS)]
+    runs = []
+    for process in range(1, recipe.cost_processes + 1):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+        runs.append(json.loads(done.stdout.splitlines()[-1]))
+        log(f"[eval] forward costs, process {process}/{recipe.cost_processes}: c {runs[-1]['c']:.3f}, v(8) {runs[-1]['v8']:.2f}")
+    figures = {key: statistics.median(run[key] for run in runs) for key in ("target_step_ms", "draft_step_ms", "c", "v4", "v8")}
+    return {
+        **figures, "c_per_process": [run["c"] for run in runs], "context": context, "threads": COST_THREADS,
+        "machine": cpu_model() or "an unnamed CPU", "runtime": runs[0]["runtime"],
+    }  # fmt: skip
+
+
 def evaluate(
     target_dir: Path, draft_dir: Path, prompts: list[dict], heldout: list[Source], train_ids, eval_ids, recipe: Recipe
 ) -> dict:  # fmt: skip
     # Imported here so that steps 1-4 also run where the services' dependencies are not installed.
-    from specdec.costs import measure_costs
-    from specdec.host import cpu_model
     from specdec.lossless import first_divergence
     from specdec.offline import speculate
     from specdec.runtime import CausalLM, ModelSpec
@@ -522,8 +546,7 @@ def evaluate(
             f"[eval] prompt {i + 1}/{len(prompts)} {item['file']}: acceptance {per_prompt[-1]['acceptance']:.2f}, "
             f"distinct 4-grams {shares[-1]:.2f} (the file's own text: {real_shares[-1]:.2f})"
         )
-    log("[eval] forward costs ...")
-    costs = measure_costs(target, draft, context=min(512, recipe.context // 2), ks=(4, 8))
+    costs = measured_costs(target_dir, draft_dir, recipe)
     return {
         "heldout_loss": losses,
         "acceptance_rate": accepted / proposed,
@@ -534,17 +557,7 @@ def evaluate(
         "distinct_4gram_real_mean": sum(real_shares) / len(real_shares),  # of the held-out files' own text
         "greedy_divergences": divergences,
         "per_prompt": per_prompt,
-        "costs": {
-            "target_step_ms": costs.target_step_s * 1e3,
-            "draft_step_ms": costs.draft_step_s * 1e3,
-            "c": costs.c,
-            "v4": costs.v[4],
-            "v8": costs.v[8],
-            "context": costs.context,
-            "threads": torch.get_num_threads(),
-            "machine": cpu_model() or "an unnamed CPU",
-            "runtime": target.backend,
-        },
+        "costs": costs,
         "parameters": {"target": target.parameters, "draft": draft.parameters},
     }
 
@@ -565,6 +578,11 @@ def changed_settings(fields: dict, preset: dict) -> list[str]:
         elif preset.get(field) != value:
             changed.append(f"{field}={','.join(map(str, value.values())) if isinstance(value, dict) else value}")
     return changed
+
+
+def spread(values: list[float]) -> str:
+    """' (median of 5 processes, 0.076-0.101)' for a figure measured in several processes."""
+    return f" (median of {len(values)} processes, {min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""
 
 
 def model_card(name: str, shape: Shape, report: dict) -> str:
@@ -608,7 +626,7 @@ def model_card(name: str, shape: Shape, report: dict) -> str:
             + " |",
             f"| greedy acceptance vs the target | {e['acceptance_rate']:.3f} at k={e['acceptance_k']} "
             f"on {len(e['per_prompt'])} held-out prompts ({e['acceptance_tokens_per_prompt']} new tokens each) |",
-            f"| cost ratio c (draft step / target step) | {costs['c']:.3f} |",
+            f"| cost ratio c (draft step / target step) | {costs['c']:.3f}{spread(costs['c_per_process'])} |",
         ]
     else:
         tuned = report["training"].get("unlikelihood")
@@ -741,6 +759,7 @@ def evaluate_pair(out: Path, stdlib: Path | None = None) -> dict:
     eval_ids = encode_files(tokenizer, heldout_files)[: recipe.eval_tokens]
     report["corpus"]["eval_tokens"] = len(eval_ids)
     prompts = json.loads((out / PROMPTS_FILE).read_text())
+    report["recipe"] = recipe_fields(recipe)  # with any evaluation setting an older report lacks
     report["evaluation"] = evaluate(out / "target", out / "draft", prompts, heldout_files, train_ids, eval_ids, recipe)
     report["evaluation_minutes"] = round((time.perf_counter() - started) / 60, 1)
     report["total_minutes"] = round(report["training_minutes"] + report["evaluation_minutes"], 1)

@@ -12,6 +12,8 @@ repetition and the reported figures are medians.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.runtime import CausalLM
+from specdec.runtime import CausalLM, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -114,3 +116,30 @@ def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 12
             ratios[n].append(_timed(model, cache, [1] * n) / one)
     model.forwards = forwards  # calibration is not service work
     return {n: min(ones) * statistics.median(r) for n, r in ratios.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specdec.costs TARGET DRAFT`: one measure_costs of a pair on this host, as
+    one JSON line. The figure varies from process to process (c of the committed pair
+    0.072-0.102 on this project's CPU), so one worth reporting is the median over several
+    processes: models/recipe.py's evaluation runs this in five."""
+    parser = argparse.ArgumentParser(prog="python -m specdec.costs", description="Measure a pair's forward costs c and v(k) on this host.")
+    parser.add_argument("target", help="the target: a local path or hub id")
+    parser.add_argument("draft", help="the draft: a local path or hub id")
+    parser.add_argument("--context", type=int, default=512, help="cached tokens behind each measured forward")
+    parser.add_argument("--ks", default="4,8", help="the k of each v(k), comma-separated")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of both models")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, draft = CausalLM.load(ModelSpec(args.target)), CausalLM.load(ModelSpec(args.draft))
+    costs = measure_costs(target, draft, context=args.context, ks=[int(k) for k in args.ks.split(",")])
+    print(json.dumps({
+        "target_step_ms": costs.target_step_s * 1e3, "draft_step_ms": costs.draft_step_s * 1e3, "c": costs.c,
+        **{f"v{k}": v for k, v in costs.v.items()}, "context": costs.context, "threads": torch.get_num_threads(),
+        "runtime": target.backend,
+    }))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,11 +11,15 @@ match transformers' to float32 rounding (tests/test_runtime.py checks it).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from transformers import GPT2LMHeadModel, PreTrainedModel
+
+# bias [out], x [n, in], weight -> bias + x times weight [n, out], as torch.addmm
+Linear = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # Up to this many new positions on a CPU, attention runs as two batched matmuls around a
@@ -48,14 +52,10 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 9)
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [n, in] times a weight from _packed, plus bias."""
+def _packed_addmm(bias: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bias plus x [n, in] times a weight from _packed, in torch.addmm's argument order, so
+    that the unpacked path calls torch.addmm itself (GPT-2 stores weights [in, out])."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def _addmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """x [n, in] times weight [in, out] (as GPT-2 stores it) plus bias."""
-    return torch.addmm(bias, x, weight)
 
 
 def causal_bias(n: int, start: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -67,16 +67,16 @@ def causal_bias(n: int, start: int, dtype: torch.dtype, device: torch.device) ->
     return torch.full((n, start + n), float("-inf"), dtype=dtype, device=device).triu_(start + 1)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of n queries over the keys and values of every position up to the
-    last query's: q [H, n, D], keys and values [H, end, D], bias from causal_bias -> [H, n, D]."""
+    last query's: q [H, n, D] already scaled by 1/sqrt(D), keys and values [H, end, D], bias
+    from causal_bias -> [H, n, D]."""
     if q.device.type != "cpu" or q.shape[1] > MATMUL_ATTENTION_MAX_POSITIONS:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
     scores = torch.bmm(q, keys.transpose(1, 2))  # [H, n, end]
     # Cast only where needed: a cast to the dtype a tensor has is still a dispatched op.
     if scores.dtype != torch.float32:
         scores = scores.float()  # softmax in float32
-    scores.mul_(scale)
     if bias is not None:
         scores.add_(bias)
     weights = torch.softmax(scores, -1)
@@ -102,8 +102,8 @@ def supports(model: PreTrainedModel) -> str | None:
 @dataclass
 class _Layer:
     ln1: tuple[torch.Tensor, torch.Tensor]
-    attn_w: torch.Tensor  # [C, 3C]
-    attn_b: torch.Tensor  # [3C]
+    attn_w: torch.Tensor  # [C, 3C], the query's columns scaled by 1/sqrt(head_dim)
+    attn_b: torch.Tensor  # [3C], likewise
     proj_w: torch.Tensor  # [C, C]
     proj_b: torch.Tensor
     ln2: tuple[torch.Tensor, torch.Tensor]
@@ -113,42 +113,54 @@ class _Layer:
     out_b: torch.Tensor
 
 
+def _query_scaled(weight: torch.Tensor, bias: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of c_attn's weight [C, 3C] and bias [3C] whose query part (the first C outputs)
+    is multiplied by the attention's scale, so that no forward multiplies the scores by it:
+    on a draft's step that multiplication (a Python float wrapped into a tensor and cast)
+    cost as much as a matmul."""
+    width = weight.shape[0]
+    weight, bias = weight.clone(), bias.clone()
+    weight[:, :width].mul_(scale)
+    bias[:width].mul_(scale)
+    return weight, bias
+
+
 class StaticCache:
-    """Keys and values of one session, [layers, heads, capacity, head_dim] each."""
+    """Keys and values of one session, [layers, 2, heads, capacity, head_dim]: a layer's
+    keys (index 0) and values (index 1) side by side, so that one copy writes both."""
 
     def __init__(self, layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.kv = torch.zeros(layers, 2, heads, capacity, head_dim, dtype=dtype, device=device)
         self.capacity = capacity
-        # Each layer's [heads, capacity, head_dim] views, made once: indexing the 4-d buffers
+        # Each layer's [2, heads, capacity, head_dim] view, made once: indexing the buffer
         # with a tuple in every layer of every step costs more than the single-token
         # attention itself on a small model.
-        self.layer_keys = list(self.keys.unbind(0))
-        self.layer_values = list(self.values.unbind(0))
+        self.layer_kv = list(self.kv.unbind(0))
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.kv.nbytes
 
 
 class StaticGPT2:
     def __init__(self, model: GPT2LMHeadModel, pack: bool | None = None) -> None:
         """pack: multiply by oneDNN-packed weights (None: where the width and device call for
-        it, PACK_MIN_WIDTH). Packing keeps a second copy of every weight matrix."""
+        it, PACK_MIN_WIDTH). Packing keeps a second copy of every weight matrix. The
+        weights are read on the first forward: a model trained after that needs a new
+        StaticGPT2."""
         config = model.config
         t = model.transformer
         self.heads = config.n_head
         self.width = config.n_embd
+        self.shape = [self.width]  # layer_norm's normalized shape, a list made once
         self.head_dim = self.width // self.heads
         self.eps = config.layer_norm_epsilon
-        # Detached views of the weights (they follow the model's own, in place): no forward
-        # here records an autograd graph, so none needs a grad mode around it, which on
-        # every call cost a single-token step of the draft 6%.
+        # Detached weights: no forward here records an autograd graph, so none needs a grad
+        # mode around it, which on every call cost a single-token step of the draft 6%.
         self.wte = t.wte.weight.detach()
         self.wpe = t.wpe.weight.detach()
         self.lm_head = model.lm_head.weight.detach()  # [V, C], tied to wte in GPT-2
-        self._head_t = self.lm_head.t()  # [C, V], a view
         self.ln_f = (t.ln_f.weight.detach(), t.ln_f.bias.detach())
-        self.layers = [
+        self._stored = [  # each block's weights as the model stores them
             _Layer(
                 ln1=(block.ln_1.weight.detach(), block.ln_1.bias.detach()),
                 attn_w=block.attn.c_attn.weight.detach(),
@@ -167,53 +179,93 @@ class StaticGPT2:
         if pack and not packable:
             raise ValueError(f"cannot pack {self.wte.dtype} weights on {self.wte.device} with this torch")
         self.pack = packable and self.width >= PACK_MIN_WIDTH if pack is None else pack
-        # Packed on the first forward, not here: oneDNN runs the reorder in an OpenMP region,
-        # and once the loading thread has run one, the engine thread's own OpenMP workers stop
-        # spinning between regions (libgomp throttles them when it manages more threads than
-        # there are cores) and each step pays their wake-ups: the committed target stepped in
-        # 2.8 ms on the thread that ran the first region, 5.1 ms on another thread after it.
-        self._packed_layers: list[_Layer] | None = None  # the layers with their matrices packed
-        self._packed_head: torch.Tensor | None = None
+        # What the forward multiplies by, made by _prepare: the blocks' weights, the head
+        # ([C, V] or packed) and the function that multiplies.
+        self._layers: list[_Layer] | None = None
+        self._head: torch.Tensor | None = None
+        self._linear: Linear = torch.addmm
+
+    def _prepare(self) -> None:
+        """The matrices the forward multiplies by: each block's with the attention's scale in
+        its query weights, all of them packed where self.pack says, and the head.
+
+        Made on the first forward, not in __init__: oneDNN's reorder and the copies of larger
+        matrices run in OpenMP regions, and once the loading thread has run one, the engine
+        thread's own OpenMP workers stop spinning between regions (libgomp throttles them
+        when it manages more threads than there are cores) and each step pays their
+        wake-ups: the committed target stepped in 2.8 ms on the thread that ran the first
+        region, 5.1 ms on another thread after it."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        layers = []
+        for layer in self._stored:
+            attn_w, attn_b = _query_scaled(layer.attn_w, layer.attn_b, scale)
+            layer = replace(layer, attn_w=attn_w, attn_b=attn_b)
+            if self.pack:
+                layer = replace(
+                    layer, attn_w=_packed(layer.attn_w.T), proj_w=_packed(layer.proj_w.T), fc_w=_packed(layer.fc_w.T), out_w=_packed(layer.out_w.T)
+                )  # fmt: skip
+            layers.append(layer)
+        if self.pack:
+            self._head, self._linear = _packed(self.lm_head), _packed_addmm
+        elif self.lm_head.device.type == "cpu":
+            # At batch 1 on a CPU, gemm reads a contiguous [C, V] copy faster than the
+            # transposed view (the committed draft's head on one thread: 72 -> 46 us warm,
+            # 113 -> 86 us right after a target step).
+            self._head = self.lm_head.t().contiguous()
+        else:
+            self._head = self.lm_head.t()
+        self._layers = layers
 
     def new_cache(self, capacity: int) -> StaticCache:
-        return StaticCache(len(self.layers), self.heads, capacity, self.head_dim, self.wte.dtype, self.wte.device)
+        return StaticCache(len(self._stored), self.heads, capacity, self.head_dim, self.wte.dtype, self.wte.device)
 
-    def forward(self, cache: StaticCache, start: int, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [n, V] of ids [n] at positions start..start+n-1; writes their keys and
-        values into the cache at those positions."""
-        n = ids.shape[0]
-        end = start + n
-        if end > cache.capacity:
-            raise ValueError(f"{end} positions exceed the session's cache of {cache.capacity}")
-        if self.pack and self._packed_layers is None:
-            self._packed_layers = [
-                replace(l, attn_w=_packed(l.attn_w.T), proj_w=_packed(l.proj_w.T), fc_w=_packed(l.fc_w.T), out_w=_packed(l.out_w.T))
-                for l in self.layers
-            ]  # fmt: skip
-            self._packed_head = _packed(self.lm_head)
-        x = torch.index_select(self.wte, 0, ids).add_(self.wpe[start:end])  # [n, C]
+    def forward(self, cache: StaticCache, start: int, ids: Sequence[int]) -> torch.Tensor:
+        """Logits [n, V] of the n token ids at positions start..start+n-1; writes their keys
+        and values into the cache at those positions."""
+        n = len(ids)
+        if start + n > cache.capacity:
+            raise ValueError(f"{start + n} positions exceed the session's cache of {cache.capacity}")
+        if self._layers is None:
+            self._prepare()
+        layers, linear = self._layers, self._linear
+        if n == 1:
+            # Rows by narrow, not by an index tensor: making that tensor from a Python int
+            # cost a warm step of the committed draft 12 us, 6%.
+            x = self._step(self.wte.narrow(0, int(ids[0]), 1) + self.wpe.narrow(0, start, 1), layers, linear, cache, start)
+        else:
+            index = torch.tensor(list(ids), dtype=torch.long, device=self.wte.device)
+            x = self._positions(torch.index_select(self.wte, 0, index).add_(self.wpe[start : start + n]), layers, linear, cache, start)
+        x = torch.layer_norm(x, self.shape, *self.ln_f, self.eps)
+        return linear(None, x, self._head) if self.pack else torch.mm(x, self._head)
+
+    def _step(self, x: torch.Tensor, layers: list[_Layer], linear: Linear, cache: StaticCache, start: int) -> torch.Tensor:
+        """The blocks over one position, x [1, C] -> [1, C]. Its q, k, v and attention output
+        are plain views where several positions need permutes and reshapes: a small draft's
+        step is mostly per-operation costs, so each one left out shows."""
+        for layer, kv in zip(layers, cache.layer_kv):
+            h = torch.layer_norm(x, self.shape, *layer.ln1, self.eps)
+            qkv = linear(layer.attn_b, h, layer.attn_w).view(3, self.heads, 1, self.head_dim)  # q, k, v: [H, 1, D] each
+            kv.narrow(2, start, 1).copy_(qkv[1:])
+            keys, values = kv.narrow(2, 0, start + 1)  # [H, start+1, D] each
+            x = self._rest_of_block(x, attend(qkv[0], keys, values, None).view(1, self.width), layer, linear)
+        return x
+
+    def _positions(self, x: torch.Tensor, layers: list[_Layer], linear: Linear, cache: StaticCache, start: int) -> torch.Tensor:
+        """The blocks over n positions, x [n, C] -> [n, C]: a prefill or a verify."""
+        n = x.shape[0]
         bias = causal_bias(n, start, x.dtype, x.device)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        layers, linear = (self._packed_layers, _packed_linear) if self._packed_layers else (self.layers, _addmm_linear)
-        # A decode step (one position) takes q, k, v and the attention's output as plain views
-        # instead of permutes and reshapes: on a small draft each op is a visible part of a step.
-        step = n == 1
-        for layer, keys, values in zip(layers, cache.layer_keys, cache.layer_values):
-            h = F.layer_norm(x, (self.width,), *layer.ln1, self.eps)
-            qkv = linear(h, layer.attn_w, layer.attn_b)  # [n, 3C]
-            if step:
-                q, k, v = qkv.view(3, self.heads, 1, self.head_dim)  # each [H, 1, D]
-            else:
-                q, k, v = qkv.view(n, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)  # each [H, n, D]
-            keys.narrow(1, start, n).copy_(k)
-            values.narrow(1, start, n).copy_(v)
-            attended = attend(q, keys.narrow(1, 0, end), values.narrow(1, 0, end), bias, scale)  # [H, n, D]
-            attended = attended.view(1, self.width) if step else attended.transpose(0, 1).reshape(n, self.width)
-            x = linear(attended, layer.proj_w, layer.proj_b).add_(x)
-            h = F.layer_norm(x, (self.width,), *layer.ln2, self.eps)
-            h = F.gelu(linear(h, layer.fc_w, layer.fc_b), approximate="tanh")
-            x = linear(h, layer.out_w, layer.out_b).add_(x)
-        x = F.layer_norm(x, (self.width,), *self.ln_f, self.eps)
-        if self._packed_head is not None:
-            return _packed_linear(x, self._packed_head, None)
-        return torch.mm(x, self._head_t)
+        for layer, kv in zip(layers, cache.layer_kv):
+            h = torch.layer_norm(x, self.shape, *layer.ln1, self.eps)
+            qkv = linear(layer.attn_b, h, layer.attn_w).view(n, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [3, H, n, D]
+            kv.narrow(2, start, n).copy_(qkv[1:])
+            keys, values = kv.narrow(2, 0, start + n)  # [H, start+n, D] each
+            attended = attend(qkv[0], keys, values, bias).transpose(0, 1).reshape(n, self.width)
+            x = self._rest_of_block(x, attended, layer, linear)
+        return x
+
+    def _rest_of_block(self, x: torch.Tensor, attended: torch.Tensor, layer: _Layer, linear: Linear) -> torch.Tensor:
+        """x [n, C] plus the projection of its attention's output attended [n, C], then plus
+        the MLP of that: a block after its attention."""
+        x = linear(layer.proj_b, attended, layer.proj_w).add_(x)
+        h = torch.layer_norm(x, self.shape, *layer.ln2, self.eps)
+        return linear(layer.out_b, F.gelu(linear(layer.fc_b, h, layer.fc_w), approximate="tanh"), layer.out_w).add_(x)

@@ -134,10 +134,10 @@ class CausalLM:
         """Feeds ids after the cached prefix; returns their logits [len(ids), V], float32."""
         if cache.length + len(ids) > cache.capacity:
             raise ValueError(f"{cache.length + len(ids)} positions exceed the session's capacity of {cache.capacity}")
-        input_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
         if self._static is not None:
-            logits = self._static.forward(cache.state, cache.length, input_ids)
+            logits = self._static.forward(cache.state, cache.length, ids)
         else:
+            input_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
             logits = self.model(input_ids=input_ids[None], cache=cache.state, use_cache=True).logits[0]
         cache.length += len(ids)
         self.forwards += 1
