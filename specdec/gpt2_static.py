@@ -102,8 +102,8 @@ def supports(model: PreTrainedModel) -> str | None:
 @dataclass
 class _Layer:
     ln1: tuple[torch.Tensor, torch.Tensor]
-    attn_w: torch.Tensor  # [C, 3C], the query's columns scaled by 1/sqrt(head_dim)
-    attn_b: torch.Tensor  # [3C], likewise
+    attn_w: torch.Tensor  # [C, 3C]; as prepared for the forward, the query's columns scaled by 1/sqrt(head_dim)
+    attn_b: torch.Tensor  # [3C]; likewise
     proj_w: torch.Tensor  # [C, C]
     proj_b: torch.Tensor
     ln2: tuple[torch.Tensor, torch.Tensor]
