@@ -202,6 +202,14 @@ def split_by_file(sources: list[Source], every: int) -> tuple[list[Source], list
     return [s for s in sources if not is_heldout(s.path, every)], [s for s in sources if is_heldout(s.path, every)]
 
 
+def trained_corpus(report: dict, recipe: Recipe, stdlib: Path | None = None) -> tuple[list[Source], list[Source]]:
+    """(training files, held-out files) of the pair that report.json describes, read from this
+    interpreter's standard library (or the copy in stdlib) once it is checked to be that corpus."""
+    sources = stdlib_sources(recipe.max_files, stdlib)
+    require_corpus(report, sources)
+    return split_by_file(sources, recipe.heldout_every)
+
+
 # 2. tokenizer -------------------------------------------------------------------------
 
 
@@ -749,11 +757,9 @@ def evaluate_pair(out: Path, stdlib: Path | None = None) -> dict:
     recipe = recipe_from_report(report["recipe"])
     torch.set_num_threads(COST_THREADS)
     started = time.perf_counter()
-    sources = stdlib_sources(recipe.max_files, stdlib)
-    require_corpus(report, sources)
+    train_files, heldout_files = trained_corpus(report, recipe, stdlib)
     if stdlib is None:
         report["corpus"]["python"] = sys.version.split()[0]
-    train_files, heldout_files = split_by_file(sources, recipe.heldout_every)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "target")
     train_ids = encode_files(tokenizer, train_files)
     eval_ids = encode_files(tokenizer, heldout_files)[: recipe.eval_tokens]
