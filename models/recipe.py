@@ -386,27 +386,41 @@ def greedy_continuations(
 
 def distillation_batch(
     ids: torch.Tensor, continuations: torch.Tensor, recipe: Recipe, step: int, generator: torch.Generator
-) -> torch.Tensor:  # fmt: skip
-    """Full-context real windows every long_every-th step (the draft must learn every
-    position); otherwise half the rows are target continuations, half real windows."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(batch, picked): full-context real windows every long_every-th step (the draft must
+    learn every position); otherwise half the rows are target continuations, half real
+    windows. picked: which continuations head the batch (none on full-context steps)."""
     if step % recipe.long_every == recipe.long_every - 1:
-        return pretraining_batch(ids, recipe, step, generator)
-    half = max(1, recipe.batch_tokens // (2 * continuations.shape[1]))
-    picked = continuations[torch.randint(len(continuations), (half,), generator=generator)]
-    return torch.cat([picked, windows(ids, half, continuations.shape[1], generator)])
+        return pretraining_batch(ids, recipe, step, generator), torch.zeros(0, dtype=torch.long)
+    half = continuations_per_batch(recipe, continuations.shape[1])
+    picked = torch.randint(len(continuations), (half,), generator=generator)
+    return torch.cat([continuations[picked], windows(ids, half, continuations.shape[1], generator)]), picked
 
 
-def distillation_loss(
-    teacher: torch.nn.Module, model: torch.nn.Module, batch: torch.Tensor, dtype: torch.dtype, top1: float = 0.0
-) -> torch.Tensor:  # fmt: skip
+def continuations_per_batch(recipe: Recipe, length: int) -> int:
+    return max(1, recipe.batch_tokens // (2 * length))
+
+
+@torch.no_grad()
+def teacher_logits(teacher: torch.nn.Module, inputs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, length, vocab] the teacher's next-token logits (bfloat16 under autocast)."""
+    with autocast(dtype, inputs.device):
+        return teacher(input_ids=inputs).logits
+
+
+def continuation_logits(teacher: torch.nn.Module, continuations: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[continuations, length - 1, vocab] the teacher's logits on every continuation, computed
+    once, `rows` at a time: distillation draws each continuation many times (about 8 times
+    in a CPU round), and a row's logits do not depend on the rows beside it (checked to the
+    bit on this CPU)."""
+    device = next(teacher.parameters()).device
+    return torch.cat([teacher_logits(teacher, part[:, :-1].to(device), dtype) for part in continuations.split(rows)])
+
+
+def distillation_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, top1: float = 0.0) -> torch.Tensor:
     """KL(target || draft) of the next-token distributions at every position, plus top1
     times the cross-entropy toward the target's likeliest token: the one token greedy
-    verification checks."""
-    inputs = batch[:, :-1]
-    with torch.no_grad(), autocast(dtype, batch.device):
-        target_logits = teacher(input_ids=inputs).logits
-    with autocast(dtype, batch.device):
-        draft_logits = model(input_ids=inputs).logits
+    verification checks. Both logits [rows, length, vocab]."""
     target_logp = F.log_softmax(target_logits.float(), dim=-1).flatten(0, 1)
     draft_logp = F.log_softmax(draft_logits.float(), dim=-1).flatten(0, 1)
     loss = F.kl_div(draft_logp, target_logp, log_target=True, reduction="batchmean")
@@ -424,10 +438,19 @@ def distil(
     saved_target = GPT2LMHeadModel.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
     continuations = greedy_continuations(saved_target, train_ids, recipe, data, dtype)
     teacher, fast_draft = compiled(saved_target, recipe), compiled(draft, recipe)
+    loss_of = torch.compile(distillation_loss, dynamic=False) if recipe.compile else distillation_loss
+    started = time.perf_counter()
+    known = continuation_logits(teacher, continuations, continuations_per_batch(recipe, continuations.shape[1]), dtype)
+    log(f"[{name}] the target's logits on the {len(continuations)} continuations in {(time.perf_counter() - started) / 60:.1f} min")
 
     def distillation_step(step: int):
-        batch = distillation_batch(train_ids, continuations, recipe, step, data).to(device)
-        return distillation_loss(teacher, fast_draft, batch, dtype, top1), batch[:, 1:].numel()
+        batch, picked = distillation_batch(train_ids, continuations, recipe, step, data)
+        batch = batch.to(device)
+        fresh = teacher_logits(teacher, batch[len(picked) :, :-1], dtype)
+        target = torch.cat([known[picked.to(device)], fresh]) if len(picked) else fresh
+        with autocast(dtype, device):
+            draft_logits = fast_draft(input_ids=batch[:, :-1]).logits
+        return loss_of(target, draft_logits, top1), batch[:, 1:].numel()
 
     stats = train(draft, name, steps, cosine(lr, steps), distillation_step, optimizers(draft, lr))
     save(draft, tokenizer, out / "draft")

@@ -91,15 +91,32 @@ def test_coadaptation_rounds_run_one_command_at_a_time_make_the_pair_they_make_a
 
 def test_the_top1_term_adds_the_cross_entropy_toward_the_teachers_likeliest_token():
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
-    teacher, student = (recipe.new_gpt2(recipe.TOY.draft, tokenizer, 64).eval() for _ in range(2))
-    batch = torch.randint(len(tokenizer), (2, 9))
-    kl = recipe.distillation_loss(teacher, student, batch, torch.float32)
-    with torch.no_grad():
-        greedy = teacher(input_ids=batch[:, :-1]).logits.argmax(-1)
-        ce = torch.nn.functional.cross_entropy(student(input_ids=batch[:, :-1]).logits.flatten(0, 1), greedy.flatten())
-    both = recipe.distillation_loss(teacher, student, batch, torch.float32, top1=2.0)
+    teacher, student = torch.randn(2, 8, 50), torch.randn(2, 8, 50)
+    kl = recipe.distillation_loss(teacher, student)
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    assert kl.item() == pytest.approx((p * (p.log() - q.log())).sum(-1).mean().item(), rel=1e-5)
+    ce = torch.nn.functional.cross_entropy(student.flatten(0, 1), teacher.argmax(-1).flatten())
+    both = recipe.distillation_loss(teacher, student, top1=2.0)
     assert both.item() == pytest.approx(kl.item() + 2 * ce.item(), rel=1e-5) and ce.item() > 0.1
+
+
+def test_distillation_reads_the_continuations_teacher_logits_from_those_computed_once():
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    teacher = recipe.new_gpt2(recipe.TOY.draft, tokenizer, 64).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(tokenizer), (500,), generator=generator)
+    continuations = torch.randint(len(tokenizer), (10, 17), generator=generator)
+    toy = dataclasses.replace(recipe.TOY, batch_tokens=4 * 17, long_every=3)
+    known = recipe.continuation_logits(teacher, continuations, 3, torch.float32)
+    assert known.shape == (10, 16, len(tokenizer))
+    batch, picked = recipe.distillation_batch(ids, continuations, toy, 0, generator)
+    assert len(picked) == recipe.continuations_per_batch(toy, 17) == 2 and batch.shape == (4, 17)
+    assert torch.equal(batch[:2], continuations[picked])
+    alone = recipe.teacher_logits(teacher, batch[:2, :-1], torch.float32)
+    assert torch.allclose(known[picked], alone, atol=1e-5)
+    batch, picked = recipe.distillation_batch(ids, continuations, toy, 2, generator)  # a full-context step
+    assert len(picked) == 0 and batch.shape[1] == toy.context + 1
 
 
 def test_the_draft_shape_flag_takes_layers_width_heads_and_steps_are_not_negative():
