@@ -38,12 +38,18 @@ VECTOR_ISAS = (("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2",
 
 
 def cpu_model() -> str:
-    """The CPU's model name as the kernel gives it, with its widest vector instructions
-    ("AMD EPYC, AVX-512 BF16"); "" where the kernel names none."""
+    """The CPU's model name as the kernel gives it, with its family and model numbers where
+    it gives them and its widest vector instructions ("AMD EPYC (family 26, model 2),
+    AVX-512 BF16"); "" where the kernel names none. A virtual machine may name two CPU
+    generations alike ("AMD EPYC"): the committed target stepped in 3.0 ms on family 25 and
+    1.4 ms on family 26, which moved c from 0.100 to 0.115."""
     lines = (_read(CPUINFO) or "").splitlines()
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-    isa = next((label for flag, label in VECTOR_ISAS if flag in flags), "")
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)  # every CPU repeats the same fields
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name", "")
+    if name and "cpu family" in fields and "model" in fields:
+        name = f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    isa = next((label for flag, label in VECTOR_ISAS if flag in fields.get("flags", "").split()), "")
     return f"{name}, {isa}" if name and isa else name
 
 

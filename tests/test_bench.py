@@ -81,7 +81,7 @@ def test_a_corrupted_verify_step_fails_the_greedy_check(toy, tmp_path):
 
 def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path, monkeypatch):
     """Costs on the same model differ between an AVX2-only and an AVX-512 CPU of one name,
-    so reports name both."""
+    and between CPU families of one name, so reports name all three."""
     from specdec import host
 
     cpuinfo = tmp_path / "cpuinfo"
@@ -92,3 +92,7 @@ def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path, monkeypa
     assert host.cpu_model() == "AMD EPYC, AVX2"
     cpuinfo.write_text("flags\t\t: fpu avx2\n")
     assert host.cpu_model() == ""
+    # Two generations a virtual machine names alike, told apart by family and model.
+    for family in (25, 26):
+        cpuinfo.write_text(f"processor\t: 0\ncpu family\t: {family}\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: avx512f avx512_bf16\n" * 2)
+        assert host.cpu_model() == f"AMD EPYC (family {family}, model 2), AVX-512 BF16"
