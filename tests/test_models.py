@@ -237,7 +237,7 @@ def test_committed_figures_are_what_is_measured_here(pair):
 
 def test_recipe_time_goal():
     """The issue's 75 minutes: training on the H200 took 4.1, the three co-adaptation rounds
-    65.9 on 2 CPU threads (no GPU was lent for them) and the evaluation here 1.0. The rounds
+    65.9 on 2 CPU threads (no GPU was lent for them) and the evaluation here 0.8. The rounds
     took 96 min before distillation kept the target's logits on its continuations and
     compiled its loss; they made the same pair to the byte."""
     assert REPORT["total_minutes"] <= 75
@@ -245,17 +245,17 @@ def test_recipe_time_goal():
 
 def test_costs_are_measured_on_a_named_cpu():
     costs = REPORT["evaluation"]["costs"]
-    assert "AVX" in costs["machine"] and costs["threads"] == 2 and costs["context"] >= 512
+    assert "AVX" in costs["machine"] and "family" in costs["machine"] and costs["threads"] == 2 and costs["context"] >= 512
     assert len(costs["c_per_process"]) >= 5 and min(costs["c_per_process"]) <= costs["c"] <= max(costs["c_per_process"])
     assert costs["runtime"] == "static-gpt2"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 4 open: c = 0.1003 in the report's evaluation, 0.097 in the previous one of the same pair")
+@pytest.mark.xfail(strict=True, reason="issue 4 open: c = 0.121 on the report's CPU (family 26); 0.1003 and 0.097 on the previous one (family 25)")
 def test_cost_sizing_goal():
-    """c <= 0.1 and v(8) <= 1.5 where the report was evaluated, a CPU it names with its vector
-    instructions: medians over the evaluation's processes, one measurement each, since c
-    varies from process to process (0.099-0.108 in the report's five, 0.072-0.102 in the
-    previous evaluation of the same pair's bytes, whose median was 0.097).
+    """c <= 0.1 and v(8) <= 1.5 where the report was evaluated, a CPU it names with its family
+    and vector instructions: medians over the evaluation's processes, one measurement each,
+    since c varies from process to process (0.116-0.137 in the report's five; on a family-25
+    CPU of the same name 0.099-0.108 and, in the evaluation before, 0.072-0.102).
     The runtime's single-position step path took the median from 0.108 to 0.093 (twelve
     processes each). Measured inside the evaluating process, as before, c was 0.121 with the
     previous runtime and 0.102 and 0.101 with this one."""
