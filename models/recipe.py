@@ -24,7 +24,8 @@ Fixed seeds and fixed step counts: a rerun on the same CPU gives the same pair; 
 the same up to its nondeterministic kernels (two H200 runs of one target recipe ended at
 held-out losses 3.349 and 3.346).
 Steps 1-4 can run on a GPU (`--preset h200 --train-only`) and step 5 later on the CPU the
-pair is sized for (`--evaluate DIR`), since the forward costs are the CPU's.
+pair is sized for (`--evaluate DIR`), since the forward costs are the CPU's;
+`python -m models.sizing` measures those costs for any shapes before training them.
 """
 
 from __future__ import annotations
@@ -250,13 +251,16 @@ def heldout_prompts(tokenizer: PreTrainedTokenizerFast, heldout: list[Source], r
 # 3-4. training ------------------------------------------------------------------------
 
 
-def new_gpt2(shape: Shape, tokenizer: PreTrainedTokenizerFast, context: int, dropout: float = 0.0) -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=context, n_embd=shape.n_embd, n_layer=shape.n_layer,
-        n_head=shape.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+def gpt2_config(shape: Shape, vocab_size: int, eos_token_id: int, context: int, dropout: float = 0.0) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=vocab_size, n_positions=context, n_embd=shape.n_embd, n_layer=shape.n_layer,
+        n_head=shape.n_head, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
-    return GPT2LMHeadModel(config)
+
+
+def new_gpt2(shape: Shape, tokenizer: PreTrainedTokenizerFast, context: int, dropout: float = 0.0) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(gpt2_config(shape, len(tokenizer), tokenizer.eos_token_id, context, dropout))
 
 
 def windows(ids: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -856,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         "--unlikelihood-steps", type=int, metavar="N",
         help="fine-tune the target with N steps of sequence-level unlikelihood before distilling the draft (default: the preset's)",
     )  # fmt: skip
+    parser.add_argument("--target-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the target's shape (default: the preset's)")
     parser.add_argument("--draft-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the draft's shape (default: the preset's)")
     parser.add_argument(
         "--coadapt", type=steps_arg, metavar="N[,N...]",
@@ -879,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.unlikelihood_steps < 0:
             parser.error(f"--unlikelihood-steps must be 0 or more, got {args.unlikelihood_steps}")
         recipe = dataclasses.replace(recipe, unlikelihood_steps=args.unlikelihood_steps)
+    if args.target_shape:
+        recipe = dataclasses.replace(recipe, target=args.target_shape)
     if args.draft_shape:
         recipe = dataclasses.replace(recipe, draft=args.draft_shape)
     if args.coadapt is not None:
