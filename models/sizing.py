@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = PRESETS[args.preset]
     recipe = dataclasses.replace(
         recipe, target=args.target_shape or recipe.target, draft=args.draft_shape or recipe.draft,
-        cost_processes=args.processes or recipe.cost_processes,
+        cost_processes=recipe.cost_processes if args.processes is None else args.processes,
     )  # fmt: skip
     if recipe.cost_processes < 1:
         parser.error(f"--processes must be at least 1, got {recipe.cost_processes}")

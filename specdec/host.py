@@ -42,7 +42,7 @@ def cpu_model() -> str:
     it gives them and its widest vector instructions ("AMD EPYC (family 26, model 2),
     AVX-512 BF16"); "" where the kernel names none. A virtual machine may name two CPU
     generations alike ("AMD EPYC"): the committed target stepped in 3.0 ms on family 25 and
-    1.4 ms on family 26, which moved c from 0.100 to 0.115."""
+    1.4-1.7 ms on family 26, which moved the report's c from 0.100 to 0.121."""
     lines = (_read(CPUINFO) or "").splitlines()
     fields = dict(line.split(":", 1) for line in lines if ":" in line)  # every CPU repeats the same fields
     fields = {key.strip(): value.strip() for key, value in fields.items()}

@@ -256,8 +256,8 @@ def test_cost_sizing_goal():
     and vector instructions: medians over the evaluation's processes, one measurement each,
     since c varies from process to process (0.116-0.137 in the report's five; on a family-25
     CPU of the same name 0.099-0.108 and, in the evaluation before, 0.072-0.102).
-    The runtime's single-position step path took the median from 0.108 to 0.093 (twelve
-    processes each). Measured inside the evaluating process, as before, c was 0.121 with the
+    On family 25, the runtime's single-position step path took the median from 0.108 to
+    0.093 (twelve processes each). Measured inside the evaluating process, as before, c was 0.121 with the
     previous runtime and 0.102 and 0.101 with this one."""
     costs = REPORT["evaluation"]["costs"]
     assert costs["c"] <= sizing.MAX_C and costs["v8"] <= sizing.MAX_V8
@@ -285,7 +285,7 @@ def test_sizing_measures_untrained_models_of_the_shapes_asked_for(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert summary.startswith(f"[sizing] target 2x48 ({counts['target']:,} parameters), draft 1x16")
-    assert "c <= 0.1: " in summary and "v(8) <= 1.5: " in summary and summary.count("forward costs, process") == 0
+    assert "c <= 0.1: " in summary and "v(8) <= 1.5: " in summary
     assert done.stdout.count("forward costs, process") == 2
 
 
