@@ -843,6 +843,17 @@ def steps_arg(text: str) -> tuple[int, ...]:
     return steps
 
 
+def add_shape_flags(parser: argparse.ArgumentParser) -> None:
+    """--target-shape and --draft-shape, for with_shapes."""
+    for model in ("target", "draft"):
+        parser.add_argument(f"--{model}-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help=f"the {model}'s shape (default: the preset's)")
+
+
+def with_shapes(recipe: Recipe, args: argparse.Namespace) -> Recipe:
+    """The recipe with the shapes that add_shape_flags' flags give, where given."""
+    return dataclasses.replace(recipe, target=args.target_shape or recipe.target, draft=args.draft_shape or recipe.draft)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=MODELS_DIR, help="where the pair, prompts and report go")
@@ -860,8 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         "--unlikelihood-steps", type=int, metavar="N",
         help="fine-tune the target with N steps of sequence-level unlikelihood before distilling the draft (default: the preset's)",
     )  # fmt: skip
-    parser.add_argument("--target-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the target's shape (default: the preset's)")
-    parser.add_argument("--draft-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the draft's shape (default: the preset's)")
+    add_shape_flags(parser)
     parser.add_argument(
         "--coadapt", type=steps_arg, metavar="N[,N...]",
         help="after distillation, one co-adaptation round per N: N steps tuning the target toward its draft, then the draft re-distilled from it (default: the preset's)",
@@ -884,10 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.unlikelihood_steps < 0:
             parser.error(f"--unlikelihood-steps must be 0 or more, got {args.unlikelihood_steps}")
         recipe = dataclasses.replace(recipe, unlikelihood_steps=args.unlikelihood_steps)
-    if args.target_shape:
-        recipe = dataclasses.replace(recipe, target=args.target_shape)
-    if args.draft_shape:
-        recipe = dataclasses.replace(recipe, draft=args.draft_shape)
+    recipe = with_shapes(recipe, args)
     if args.coadapt is not None:
         recipe = dataclasses.replace(recipe, coadaptation=dataclasses.replace(recipe.coadaptation, target_steps=args.coadapt))
     if args.device:

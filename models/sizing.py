@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2LMHeadModel
 
-from models.recipe import PRESETS, Recipe, gpt2_config, log, measured_costs, shape_arg
+from models.recipe import PRESETS, Recipe, add_shape_flags, gpt2_config, log, measured_costs, with_shapes
 
 MAX_C = 0.1  # the sizing's bound on one draft step / one target step ...
 MAX_V8 = 1.5  # ... and on one verify of 8 draft tokens (9 positions) / one target step
@@ -37,41 +37,32 @@ def untrained_pair(recipe: Recipe, out: Path) -> dict[str, int]:
     return counts
 
 
-def size_pair(recipe: Recipe) -> dict:
-    """The recipe's shapes, their parameter counts and measured costs, and whether they meet
-    MAX_C and MAX_V8 here."""
+def size_pair(recipe: Recipe) -> tuple[dict[str, int], dict]:
+    """(parameter counts, measured_costs) of untrained models of the recipe's shapes."""
     with tempfile.TemporaryDirectory(prefix="specdec-sizing-") as scratch:
         counts = untrained_pair(recipe, Path(scratch))
-        costs = measured_costs(Path(scratch) / "target", Path(scratch) / "draft", recipe)
-    return {
-        "target": dataclasses.asdict(recipe.target), "draft": dataclasses.asdict(recipe.draft), "parameters": counts,
-        "costs": costs, "meets": {"c": costs["c"] <= MAX_C, "v8": costs["v8"] <= MAX_V8},
-    }  # fmt: skip
+        return counts, measured_costs(Path(scratch) / "target", Path(scratch) / "draft", recipe)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.sizing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200", help="the recipe whose shapes, vocabulary and context to size (default: h200, the committed pair's)")
-    parser.add_argument("--target-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the target's shape (default: the preset's)")
-    parser.add_argument("--draft-shape", type=shape_arg, metavar="LAYERS,WIDTH,HEADS", help="the draft's shape (default: the preset's)")
+    add_shape_flags(parser)
     parser.add_argument("--processes", type=int, help="fresh processes that each measure the costs (default: the preset's cost_processes)")
     args = parser.parse_args(argv)
-    recipe = PRESETS[args.preset]
-    recipe = dataclasses.replace(
-        recipe, target=args.target_shape or recipe.target, draft=args.draft_shape or recipe.draft,
-        cost_processes=recipe.cost_processes if args.processes is None else args.processes,
-    )  # fmt: skip
+    recipe = with_shapes(PRESETS[args.preset], args)
+    if args.processes is not None:
+        recipe = dataclasses.replace(recipe, cost_processes=args.processes)
     if recipe.cost_processes < 1:
         parser.error(f"--processes must be at least 1, got {recipe.cost_processes}")
-    sized = size_pair(recipe)
-    costs, count = sized["costs"], sized["parameters"]
+    count, costs = size_pair(recipe)
     verdict = {True: "yes", False: "no"}
     log(
         f"[sizing] target {recipe.target.n_layer}x{recipe.target.n_embd} ({count['target']:,} parameters), "
         f"draft {recipe.draft.n_layer}x{recipe.draft.n_embd} ({count['draft']:,}) on {costs['machine']}, {costs['threads']} threads, "
         f"{costs['context']} cached tokens: target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.3f} ms, "
         f"c {costs['c']:.3f} (by process {', '.join(f'{c:.3f}' for c in costs['c_per_process'])}), v(4) {costs['v4']:.2f}, v(8) {costs['v8']:.2f}; "
-        f"c <= {MAX_C}: {verdict[sized['meets']['c']]}, v(8) <= {MAX_V8}: {verdict[sized['meets']['v8']]}"
+        f"c <= {MAX_C}: {verdict[costs['c'] <= MAX_C]}, v(8) <= {MAX_V8}: {verdict[costs['v8'] <= MAX_V8]}"
     )  # fmt: skip
     return 0
 
