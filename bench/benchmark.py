@@ -12,7 +12,7 @@ that machine noise hits them alike):
   assisted-constant  the same with a constant num_assistant_tokens = our best k
 
 Greedy speculative completions must equal the target-only ones; a divergence that is not
-an fp32 near-tie (DESIGN.md) fails the benchmark, naming the position and the gap.
+an fp32 near-tie (docs/design.md) fails the benchmark, naming the position and the gap.
 
 A second stack pairs the target with a deliberately mismatched draft (the draft's
 architecture and tokenizer with untrained, seeded random weights) and compares AUTO with

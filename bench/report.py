@@ -1,5 +1,5 @@
 """The benchmark's figures: cells (temperature x output length x column), the performance
-model's bound (DESIGN.md), the issue's goals, and the three outputs: bench.json,
+model's bound (docs/design.md), the issue's goals, and the three outputs: bench.json,
 bench.md (the table) and speedup.png.
 
 Terms, per cell of our speculative columns:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -12,24 +11,19 @@ import torch
 from specdec.engine import run_each
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.runtime import CausalLM, KVCache
-from specdec.sampling import SamplingParams, propose_token
+from specdec.sampling import SamplingParams, coupling_noise, propose_token
 from specdec.v1 import draft_pb2
-
-
-def draft_seed(request_seed: int) -> int:
-    """The draft's own seed, derived from the request's so that the draft's draws and
-    the verifier's acceptance draws are independent streams (exactness needs that)."""
-    digest = hashlib.sha256(f"specdec-draft:{request_seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 @dataclass
 class DraftSession:
     tokens: list[int]  # committed tokens, then the latest proposal
     committed: int  # how many of `tokens` the verifier has committed
+    prompt_length: int  # tokens[prompt_length] is output position 0
     cache: KVCache  # covers tokens[:cache.length]
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator  # the draft's own draws (an unseeded sampled request)
+    coupled_seed: int | None  # a seeded request's seed: proposals use its Gumbel noise
     last_used: float  # monotonic time of the open or the latest proposal
 
 
@@ -38,8 +32,9 @@ class Open:
     session_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int
+    seed: int  # the request's seed when coupled, else a seed of the draft's own draws
     capacity: int  # longest the sequence may grow; 0 = the model's context
+    coupled: bool = False  # a seeded request: propose with the noise the target uses
 
 
 @dataclass(frozen=True)
@@ -100,9 +95,11 @@ class Drafter:
         self.sessions[step.session_id] = DraftSession(
             tokens=list(step.prompt_ids),
             committed=len(step.prompt_ids),
+            prompt_length=len(step.prompt_ids),
             cache=cache,
             params=step.params,
-            generator=self.model.new_generator(draft_seed(step.seed)),
+            generator=self.model.new_generator(step.seed),
+            coupled_seed=step.seed if step.coupled else None,
             last_used=time.monotonic(),
         )
         return time.perf_counter() - start
@@ -135,7 +132,11 @@ class Drafter:
         tokens: list[draft_pb2.DraftToken] = []
         for _ in range(step.num_tokens):
             logits = self.model.forward(session.cache, session.tokens[session.cache.length :])[-1]
-            choice = propose_token(logits, session.params, self.support_size, session.generator)
+            position = len(session.tokens) - session.prompt_length
+            noise = coupling_noise(session.coupled_seed, session.params, position, 1, logits.shape[-1])
+            choice = propose_token(
+                logits, session.params, self.support_size, session.generator, None if noise is None else noise[0]
+            )
             token = draft_pb2.DraftToken(id=choice.id, support_ids=choice.support_ids, support_probs=choice.support_probs)
             session.tokens.append(token.id)
             tokens.append(token)

@@ -18,8 +18,8 @@ from opentelemetry import trace
 
 from draft_service.drafter import Close, Drafter, Expire, Open, Propose
 from specdec import defaults
-from specdec.engine import Engine
-from specdec.errors import ServiceError
+from specdec.engine import Engine, EngineStopped
+from specdec.errors import Internal, ServiceError, Unavailable
 from specdec.facts import peer_facts
 from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
@@ -112,9 +112,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 "this verify service is not paired with the draft (unknown pairing_id): call Pair first",
             )
         sampling = request.sampling
-        seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
+        coupled = sampling.HasField("seed")  # a seeded request: the target's noise, not draws of the draft's own
+        seed = sampling.seed if coupled else secrets.randbits(63)
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p or 1.0)
-        step = Open(request.session_id, list(request.prompt_ids), params, seed, request.max_tokens)
+        step = Open(request.session_id, list(request.prompt_ids), params, seed, request.max_tokens, coupled)
         attributes = {"gen_ai.usage.input_tokens": len(request.prompt_ids)}
         prefill_seconds, _ = self._traced(attrs.DRAFT_PREFILL, step, incoming(context), context, attributes)
         return draft_pb2.OpenSessionResponse(prefill_time_us=int(prefill_seconds * 1e6))
@@ -154,9 +155,24 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     def _run(self, step: object, context: grpc.ServicerContext):
         try:
-            return self._engine.run(step)
+            return self._step(step)
         except ServiceError as err:
             context.abort(err.code, str(err))
+
+    def _step(self, step: object) -> object:
+        """Runs a step on the engine. An unexpected exception fails that step's session
+        alone: logged here with its session id, INTERNAL with a short reason to the caller
+        (the verify service keeps the pairing and other sessions keep speculating)."""
+        try:
+            return self._engine.run(step)
+        except ServiceError:
+            raise
+        except EngineStopped:
+            raise Unavailable("the draft service is shutting down") from None
+        except Exception:
+            session = getattr(step, "session_id", "")
+            self._log.exception("%s of session %r failed", type(step).__name__, session)
+            raise Internal(f"the draft's {type(step).__name__.lower()} step failed: an internal error, logged under session {session!r}") from None
 
     def _traced(
         self,
@@ -172,7 +188,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         error: ServiceError | None = None
         with self._tracer.start_span(name, context=parent, kind=SERVER, attributes=attributes) as span:
             try:
-                result = self._engine.run(step)
+                result = self._step(step)
             except ServiceError as err:
                 set_error(span, err.code, str(err))
                 error = err

@@ -525,7 +525,7 @@ def real_continuation(tokenizer: PreTrainedTokenizerFast, source: Source, prompt
 
 
 def measured_costs(target_dir: Path, draft_dir: Path, recipe: Recipe) -> dict:
-    """The pair's forward costs (DESIGN.md's c and v(k)): `python -m specdec.costs` in
+    """The pair's forward costs (docs/design.md's c and v(k)): `python -m specdec.costs` in
     recipe.cost_processes fresh processes, one after another, each figure the median over
     them and c's value in each beside it. The figures vary from process to process: c of
     the committed pair ranged 0.076-0.101 over twelve."""

@@ -1,4 +1,4 @@
-"""Forward costs of a target/draft pair, the inputs of DESIGN.md's performance model.
+"""Forward costs of a target/draft pair, the inputs of docs/design.md's performance model.
 
   c     = one draft step / one target step (single-token forwards with a warm cache)
   v(k)  = one target forward over k+1 positions / one target step

@@ -35,3 +35,10 @@ class Cancelled(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Internal(ServiceError):
+    """A bug or an unexpected failure. Its message is written for the client: a short
+    reason and where the service logged the exception, never the exception's own text."""
+
+    code = grpc.StatusCode.INTERNAL

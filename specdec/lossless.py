@@ -1,5 +1,5 @@
 """Checks that a speculative greedy completion equals the target-only one, and when it
-does not, says whether the divergence is an fp32 near-tie (DESIGN.md) or a bug."""
+does not, says whether the divergence is an fp32 near-tie (docs/design.md) or a bug."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ class OfflineResult:
     rounds: int
     proposed: int
     accepted: int
+    rejections: int  # rounds that ended in a rejection
 
 
 def _run(component: Drafter | Verifier, step: object) -> object:
@@ -38,16 +39,20 @@ def speculate(
     params: SamplingParams = SamplingParams(),
     seed: int = 0,
     support_size: int = 32,
+    coupled: bool = False,
 ) -> OfflineResult:
-    """Decodes max_new_tokens tokens; with draft=None (or k=0), target-only rounds."""
+    """Decodes max_new_tokens tokens; with draft=None (or k=0), target-only rounds.
+    `coupled`: sample as a seeded request is served (coupled by the seed's Gumbel noise);
+    else by rejection sampling, the draft drawing from a stream of its own."""
     verifier = Verifier(target)
     capacity = len(prompt_ids) + max_new_tokens
-    _run(verifier, Prefill("offline", list(prompt_ids), params, seed, capacity))
+    _run(verifier, Prefill("offline", list(prompt_ids), params, seed, capacity, coupled))
     drafter = Drafter(draft, support_size) if draft is not None and k > 0 else None
     if drafter is not None:
-        _run(drafter, Open("offline", list(prompt_ids), params, seed, capacity))
+        draft_seed = seed if coupled else seed + 1  # rejection sampling needs the draft's own stream
+        _run(drafter, Open("offline", list(prompt_ids), params, draft_seed, capacity, coupled))
     tokens: list[int] = []
-    rounds = proposed = accepted = 0
+    rounds = proposed = accepted = rejections = 0
     last_accepted, appended = 0, []
     while len(tokens) < max_new_tokens:
         step_k = min(k, max_new_tokens - len(tokens) - 1) if drafter is not None else 0
@@ -65,7 +70,8 @@ def speculate(
         rounds += 1
         proposed += len(proposal.ids)
         accepted += verified.accepted
+        rejections += verified.accepted < len(proposal.ids)
     _run(verifier, Release("offline"))
     if drafter is not None:
         _run(drafter, Close("offline"))
-    return OfflineResult(tokens[:max_new_tokens], rounds, proposed, accepted)
+    return OfflineResult(tokens[:max_new_tokens], rounds, proposed, accepted, rejections)

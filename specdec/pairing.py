@@ -1,4 +1,4 @@
-"""The pairing rules (DESIGN.md, same-host pairing): which drafts a target may use.
+"""The pairing rules (docs/design.md, same-host pairing): which drafts a target may use.
 
 Three guards, each a way speculation turns into a loss:
 - topology: a unix-socket peer is on this kernel; a TCP peer only when its boot id is

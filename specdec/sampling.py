@@ -16,28 +16,41 @@ the correction from norm(max(0, p[i] - q[i])); when all k are accepted it draws 
 token from p[k]. Every emitted token is then distributed exactly as p, for any q that the
 verifier knows. Greedy decoding accepts while d[i] equals the target's argmax and emits
 the target's argmax at the first mismatch (or at position k).
+
+A seeded request is sampled by coupling instead (docs/design.md): output position i has a
+Gumbel vector g_i drawn from (seed, i) alone; the target's token at i is the argmax of its
+warped log-probabilities plus g_i (the Gumbel-max trick: an exact draw from p), the draft
+proposes the argmax of its own plus the same g_i, and verification is the greedy rule on
+those perturbed scores. The output is then a function of the seed and the request alone,
+identical to target-only decoding whatever k, mode or batch did.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this decode greedily (vLLM's convention). Dividing float32 logits by
+# a temperature under about 2e-38 overflows to inf (and softmax to nan), and any
+# temperature this small already puts all the mass on the argmax but for exact ties.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request samples; identical on the target-only path and in verification."""
 
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # below GREEDY_BELOW (0 included) means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -48,24 +61,70 @@ class RoundOutcome:
     token: int  # the correction (accepted < k) or the bonus token (accepted == k)
 
 
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [..., V] from logits [..., V]: temperature, then top-k, then top-p."""
+def _warped_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Scores [..., V] whose softmax is the warped distribution: logits over the
+    temperature, -inf outside top-k, then -inf outside top-p. Not for greedy params."""
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs, order = torch.softmax(scores, dim=-1).sort(dim=-1, descending=True)
         # A token is dropped when the tokens more likely than it already reach top_p;
         # the most likely token is therefore always kept.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] from logits [..., V]: temperature, then top-k, then top-p."""
+    return torch.softmax(_warped_scores(logits, params), dim=-1)
+
+
+def log_warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log(warp(logits, params)) [..., V], computed as log-softmax (-inf outside the support)."""
+    return torch.log_softmax(_warped_scores(logits, params), dim=-1)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The seed of output position `position`'s Gumbel vector in a request seeded `seed`:
+    a hash of the pair, so that every position's noise is its own independent stream."""
+    digest = hashlib.sha256(f"specdec-gumbel:{seed}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def gumbel_noise(seed: int, first_position: int, count: int, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) vectors [count, V] (float64, on the CPU) of output positions
+    first_position .. first_position + count - 1. Drawn on the CPU whatever the models'
+    devices: a CUDA generator gives other numbers from the same seed, and the draft and
+    the target must see the same noise."""
+    noise = torch.empty(count, vocab_size, dtype=torch.float64)
+    for row, position in enumerate(range(first_position, first_position + count)):
+        torch.rand(vocab_size, generator=torch.Generator().manual_seed(noise_seed(seed, position)), out=noise[row])
+    # -log(-log(u)), in place; a uniform draw of 0 gives -inf: never the argmax.
+    return noise.log_().neg_().log_().neg_()
+
+
+def coupling_noise(
+    coupled_seed: int | None, params: SamplingParams, first_position: int, count: int, vocab_size: int
+) -> torch.Tensor | None:
+    """A session's noise for `count` output positions from first_position: the seed's
+    Gumbel vectors for a seeded sampled request, None when it decodes greedily or is
+    unseeded (rejection sampling)."""
+    if coupled_seed is None or params.greedy:
+        return None
+    return gumbel_noise(coupled_seed, first_position, count, vocab_size)
+
+
+def coupled_choice(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """argmax of the warped log-probabilities plus the Gumbel noise, per row of logits
+    [..., V] and noise [..., V]: an exact draw from warp(logits, params) when the noise is
+    fresh, and the same token for any two models that agree, given the same noise."""
+    return (log_warp(logits, params).double() + noise.to(logits.device)).argmax(dim=-1)
 
 
 def truncate(probs: torch.Tensor, support_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,11 +176,16 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> RoundOutcome:
     """Greedy verification. target_logits [k+1, V], draft_ids [k]."""
-    best = target_logits.argmax(dim=-1)  # [k+1]
-    k = draft_ids.shape[0]
-    mismatch = (best[:k] != draft_ids).nonzero()
-    accepted = int(mismatch[0]) if mismatch.numel() else k
-    return RoundOutcome(accepted, int(best[accepted]))
+    return verify_perturbed(target_logits.argmax(dim=-1), draft_ids.tolist())
+
+
+def verify_perturbed(best: torch.Tensor, draft_ids: Sequence[int]) -> RoundOutcome:
+    """The greedy rule given the target's choice at each of the k+1 positions, best [k+1]:
+    accept while the draft token is the target's choice, then emit the target's choice."""
+    choices = best.tolist()
+    k = len(draft_ids)
+    accepted = next((i for i in range(k) if choices[i] != draft_ids[i]), k)
+    return RoundOutcome(accepted, choices[accepted])
 
 
 def verify_sampled(
@@ -158,12 +222,20 @@ class DraftChoice:
 
 
 def propose_token(
-    logits: torch.Tensor, params: SamplingParams, support_size: int, generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingParams,
+    support_size: int,
+    generator: torch.Generator,
+    noise: torch.Tensor | None = None,
 ) -> DraftChoice:
-    """The draft's choice at one position from its logits [V]: the argmax when greedy,
-    else a draw from its warped distribution truncated to the top support_size tokens."""
+    """The draft's choice at one position from its logits [V]: the argmax when greedy;
+    with a seeded request's Gumbel noise [V] for this position, the coupled choice (no
+    support is sent: verification needs none); else a draw from its warped distribution
+    truncated to the top support_size tokens."""
     if params.greedy:
         return DraftChoice(int(logits.argmax()), [], [])
+    if noise is not None:
+        return DraftChoice(int(coupled_choice(logits, params, noise)), [], [])
     ids, q = truncate(warp(logits, params), support_size)
     return DraftChoice(int(ids[sample(q, generator)]), ids.tolist(), q.tolist())
 
@@ -175,8 +247,13 @@ def verify_round(
     support_ids: Sequence[Sequence[int]],
     support_probs: Sequence[Sequence[float]],
     generator: torch.Generator,
+    noise: torch.Tensor | None = None,
 ) -> RoundOutcome:
-    """Verifies k draft tokens against the target's logits [k+1, V] at their positions."""
+    """Verifies k draft tokens against the target's logits [k+1, V] at their positions;
+    `noise` [k+1, V]: a seeded request's Gumbel vectors of those positions (coupled
+    verification: the greedy rule on the perturbed warped log-probabilities)."""
     if params.greedy:
         return verify_greedy(logits, torch.tensor(list(draft_ids), dtype=torch.long, device=logits.device))
+    if noise is not None:
+        return verify_perturbed(coupled_choice(logits, params, noise), draft_ids)
     return verify_sampled(warp(logits, params), draft_ids, support_ids, support_probs, generator)

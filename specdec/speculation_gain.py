@@ -1,4 +1,4 @@
-"""The performance model of DESIGN.md as functions: what a round of k draft tokens is
+"""The performance model of docs/design.md as functions: what a round of k draft tokens is
 expected to yield, and which k yields most per unit time.
 
 Terms:

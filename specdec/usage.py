@@ -1,4 +1,4 @@
-"""Per-request totals and the two acceptance figures of DESIGN.md.
+"""Per-request totals and the two acceptance figures of docs/design.md.
 
 acceptance rate = accepted / proposed; α̂ = accepted / (accepted + rejections), where a
 rejection is a round that proposed draft tokens and ended with a correction.

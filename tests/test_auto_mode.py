@@ -36,7 +36,7 @@ def auto_request(max_new_tokens: int, text: str = PROMPT, **fields: object):
 
 
 def test_gain_is_the_design_formula_on_its_worked_example():
-    # DESIGN.md: α̂ 0.8, k 4, c 0.1, v 1.05 gives a bound of about 2.3x.
+    # docs/design.md: α̂ 0.8, k 4, c 0.1, v 1.05 gives a bound of about 2.3x.
     assert expected_tokens(0.8, 4) == pytest.approx(1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4)
     assert gain(0.8, 4, 0.1, 1.05) == pytest.approx(3.3616 / 1.45, rel=1e-9)
     assert expected_tokens(1.0, 5) == 6.0

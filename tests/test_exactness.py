@@ -8,6 +8,11 @@ position (`propose_token` in the draft, `verify_round` in the verifier) on the r
 logits; forwards are memoised per token sequence so that 8,000 samples take seconds.
 A negative control (resampling from p instead of norm(max(0, p - q)) after a rejection)
 must fail the same test.
+
+Seeded requests are sampled by coupling instead: their distribution is over seeds, each
+seed's output a deterministic function of it. The same test over N seeds checks that it
+is the target's, with a negative control of its own: noise drawn from the seed alone
+instead of (seed, position).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from specdec import sampling
 from specdec.runtime import CausalLM, ModelSpec
-from specdec.sampling import SamplingParams, propose_token, verify_round, warp
+from specdec.sampling import SamplingParams, gumbel_noise, propose_token, verify_round, warp
 from specdec.toy_models import perturbed_copy
 
 VOCAB = 16
@@ -131,3 +136,41 @@ def test_negative_control_resampling_from_p_fails(models, monkeypatch):
     joint = exact_joint(models["target"], params)
     counts = speculative_joint_counts(models["target"], models[draft], params, support, seed=3)
     assert chi_square_p(counts, joint) < P_MIN
+
+
+def coupled_joint_counts(target: Memo, draft: Memo, params: SamplingParams, first_seed: int) -> torch.Tensor:
+    """Counts of (first, second) emitted token over N seeded requests decoded with
+    coupled rounds, one seed each, [V, V]."""
+    unused = torch.Generator()  # coupled rounds draw nothing but the seed's noise
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
+    for seed in range(first_seed, first_seed + N):
+        noise = gumbel_noise(seed, 0, K_DRAFT + 2, VOCAB)  # every output position a request can reach here
+        emitted: list[int] = []
+        while len(emitted) < 2:
+            prefix = (*PROMPT, *emitted)
+            at = len(emitted)  # the output position of the round's first token
+            ids: list[int] = []
+            for j in range(K_DRAFT):
+                ids.append(propose_token(draft((*prefix, *ids))[-1], params, 0, unused, noise[at + j]).id)
+            logits = target((*prefix, *ids))[-(K_DRAFT + 1) :]
+            outcome = verify_round(
+                logits, params, ids, [[]] * K_DRAFT, [[]] * K_DRAFT, unused, noise[at : at + K_DRAFT + 1]
+            )
+            emitted += ids[: outcome.accepted] + [outcome.token]
+        counts[emitted[0], emitted[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("draft", ["close", "far"])
+def test_coupled_first_two_tokens_follow_the_target_over_seeds(models, draft):
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+    counts = coupled_joint_counts(models["target"], models[draft], params, first_seed=10_000 * len(draft))
+    assert chi_square_p(counts, exact_joint(models["target"], params)) >= P_MIN
+
+
+def test_negative_control_noise_of_the_seed_alone_fails(models, monkeypatch):
+    """The bug coupling must not have: one noise vector for every position of a request."""
+    monkeypatch.setattr(sampling, "noise_seed", lambda seed, position: seed)
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+    counts = coupled_joint_counts(models["target"], models["close"], params, first_seed=0)
+    assert chi_square_p(counts, exact_joint(models["target"], params)) < P_MIN

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from specdec.sampling import (
+    GREEDY_BELOW,
     RoundOutcome,
     SamplingParams,
+    coupled_choice,
+    gumbel_noise,
     propose_token,
     residual,
     sample,
@@ -111,3 +114,52 @@ def test_sample_draws_in_proportion_and_never_a_token_of_zero_probability():
     assert sample(torch.tensor([0.0, 0.0, 2.0]), gen) == 2
     with pytest.raises(ValueError):
         sample(torch.zeros(3), gen)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-45, 1e-40, 1e-38, 1e-6])
+def test_temperatures_below_the_threshold_decode_greedily(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    gen = torch.Generator().manual_seed(0)
+    assert propose_token(LOGITS, params, 4, gen).id == 0
+    assert verify_round(LOGITS[None].repeat(2, 1), params, [0], [[]], [[]], gen) == RoundOutcome(1, 0)
+
+
+def test_the_smallest_sampled_temperature_warps_without_overflow():
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+    big = torch.tensor([3e4, -3e4, 0.0, 1.0])  # logits far apart, divided by 1e-5
+    probs = warp(big, SamplingParams(temperature=GREEDY_BELOW, top_p=0.5))
+    assert torch.isfinite(probs).all() and probs.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_gumbel_noise_is_a_function_of_seed_and_position_alone():
+    both = gumbel_noise(7, 3, 2, 50)
+    assert torch.equal(both[0], gumbel_noise(7, 3, 1, 50)[0])  # whatever block a position is drawn in
+    assert torch.equal(both[1], gumbel_noise(7, 4, 1, 50)[0])
+    assert not torch.equal(both[0], both[1])
+    assert not torch.equal(both[0], gumbel_noise(8, 3, 1, 50)[0])
+
+
+def test_coupled_choice_draws_from_the_warped_distribution_over_seeds():
+    params = SamplingParams(temperature=0.8, top_k=4)
+    want = warp(LOGITS, params)
+    draws = torch.tensor([int(coupled_choice(LOGITS, params, gumbel_noise(seed, 0, 1, 6)[0])) for seed in range(20_000)])
+    counts = torch.bincount(draws, minlength=6)
+    assert counts[4:].tolist() == [0, 0]  # outside top-k: never
+    assert (counts.double() / 20_000).tolist() == pytest.approx(want.tolist(), abs=0.015)
+
+
+def test_coupled_verification_emits_what_target_only_decoding_would():
+    """Whatever the draft proposes, the round emits the target's coupled choices: the
+    accepted prefix is exactly where the draft agreed with them."""
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    for seed in range(200):
+        logits = torch.randn(4, 6, generator=gen)
+        noise = gumbel_noise(seed, 0, 4, 6)
+        target_choices = coupled_choice(logits, params, noise).tolist()
+        draft = [c if torch.rand((), generator=gen) < 0.7 else (c + 1) % 6 for c in target_choices[:3]]
+        outcome = verify_round(logits, params, draft, [[]] * 3, [[]] * 3, gen, noise)
+        emitted = draft[: outcome.accepted] + [outcome.token]
+        assert emitted == target_choices[: len(emitted)]
+        assert outcome.accepted == next((i for i in range(3) if draft[i] != target_choices[i]), 3)

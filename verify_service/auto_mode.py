@@ -1,6 +1,6 @@
 """AUTO speculation: the number of draft tokens of each round of a session.
 
-The gain of k draft tokens is DESIGN.md's E(k) / (k·c + v(k)) (specdec.speculation_gain),
+The gain of k draft tokens is docs/design.md's E(k) / (k·c + v(k)) (specdec.speculation_gain),
 with every cost measured as this service serves it, in units of one target-only token:
   T0    = a target-only round: the target's forward and acceptance over 1 position plus
           the rest of that round (RPC, Python, sending the token)

@@ -28,7 +28,7 @@ from specdec import requests
 from specdec import span_attributes as attrs
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.engine import Engine
-from specdec.errors import InvalidArgument, ResourceExhausted, ServiceError
+from specdec.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError
 from specdec.metrics import ModeMetrics, SpeculationMetrics
 from specdec.runtime import CausalLM
 from specdec.sampling import SamplingParams
@@ -59,7 +59,8 @@ class Plan:
     prompt_ids: list[int]
     max_new_tokens: int
     params: SamplingParams
-    seed: int
+    seed: int  # the request's, or a fresh random one
+    seeded: bool  # the request set its seed: sampled by coupling, repeatable in every mode
     mode: common_pb2.SpeculationMode  # ON, OFF or AUTO (the service's default resolved)
     num_draft_tokens: int  # k of every round in ON mode
 
@@ -69,8 +70,13 @@ class Plan:
         return len(self.prompt_ids) + self.max_new_tokens
 
     def sampling_proto(self) -> common_pb2.SamplingParams:
+        """The draft's sampling settings: the seed only for a seeded request (the draft
+        then proposes with the same noise as the target; else it draws its own)."""
         p = self.params
-        return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=self.seed)
+        sampling = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        if self.seeded:
+            sampling.seed = self.seed
+        return sampling
 
 
 @dataclass
@@ -216,6 +222,7 @@ class Decoder:
             request.prompt_ids, self._model.vocab_size, self._model.max_positions, max_new
         )
         k = requests.check_num_draft_tokens(request.num_draft_tokens or NUM_DRAFT_TOKENS)
+        seeded = request.sampling.HasField("seed")
         mode = request.speculation
         if mode not in common_pb2.SpeculationMode.values():
             raise InvalidArgument(f"speculation: unknown mode {mode}")
@@ -228,7 +235,8 @@ class Decoder:
             prompt_ids=prompt,
             max_new_tokens=max_new,
             params=params,
-            seed=request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(63),
+            seed=request.sampling.seed if seeded else secrets.randbits(63),
+            seeded=seeded,
             mode=mode,
             num_draft_tokens=k,
         )
@@ -273,7 +281,7 @@ class Decoder:
             if self._draft is not None and self._wants_draft(plan):
                 span.set_attributes(attrs.pairing(self._draft.pairing))
             with self._tracer.start_span(attrs.TARGET_PREFILL, context=ctx, attributes={"gen_ai.usage.input_tokens": len(plan.prompt_ids)}):
-                self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed, plan.capacity))
+                self._engine.run(Prefill(sid, plan.prompt_ids, plan.params, plan.seed, plan.capacity, plan.seeded))
             for chunk in self._rounds(sid, plan, draft, speculation, ctx):
                 if chunk.finish_reason:
                     final = chunk
@@ -293,10 +301,11 @@ class Decoder:
             else:
                 set_error(span, grpc.StatusCode.CANCELLED, "the caller cancelled the stream")
             raise
-        except Exception as err:
+        except Exception as err:  # a bug: the trace and the log get its text, the caller a short reason
             span.record_exception(err)
             set_error(span, grpc.StatusCode.INTERNAL, repr(err))
-            raise
+            self._log.exception("session %r failed", sid)
+            raise Internal(f"decoding failed: an internal error, logged under session {sid!r}") from None
         finally:
             # Free the sessions before the last message leaves, so that a client that has
             # its completion never sees this request as active.
@@ -344,7 +353,7 @@ class Decoder:
         ctx: otel_context.Context,
     ) -> Iterator[verify_pb2.DecodeChunk]:
         usage = UsageTally(prompt_tokens=len(plan.prompt_ids))
-        greedy = plan.params.temperature == 0
+        greedy = plan.params.greedy
         costs = self._auto.costs(greedy)
         auto = self._auto.session(greedy) if plan.mode == AUTO and draft is not None else None
         fell_back = False  # an AUTO session counted once among those that went target-only

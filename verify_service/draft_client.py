@@ -26,9 +26,11 @@ from verify_service.verifier import DraftProposal
 RETRY_S = 1.0
 
 
-# Answers about one session only (it expired, the draft is at capacity, or this request
-# cancelled its own call): the pairing stands and other requests keep speculating.
-SESSION_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+# Answers that put the draft itself in doubt: it does not answer, or no longer knows this
+# verify service's pairing (it restarted). Any other answer is about one session (it
+# expired, the draft is at capacity, this request cancelled its own call, one session's
+# step failed): the pairing stands and other requests keep speculating.
+UNPAIRING_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class DraftLost(Exception):
@@ -46,8 +48,10 @@ class DraftLost(Exception):
         code = error.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, f"draft {during} missed its deadline")
-        detail = f"draft {during} failed: {code.name}: {error.details()}"
-        return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail, unpairs=code not in SESSION_CODES)
+        detail = f"draft {during} failed: {code.name}"
+        if code != grpc.StatusCode.UNKNOWN:  # UNKNOWN carries an exception's own text, not one written for clients
+            detail += f": {error.details()}"
+        return cls(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail, unpairs=code in UNPAIRING_CODES)
 
     @classmethod
     def cancelled(cls, during: str) -> DraftLost:

@@ -17,15 +17,17 @@ import torch
 from specdec.engine import run_each
 from specdec.errors import NotFound
 from specdec.runtime import CausalLM, KVCache
-from specdec.sampling import RoundOutcome, SamplingParams, verify_round
+from specdec.sampling import RoundOutcome, SamplingParams, coupling_noise, verify_round
 
 
 @dataclass
 class TargetSession:
     tokens: list[int]  # prompt and committed output; the cache covers all but the last
+    prompt_length: int  # tokens[prompt_length] is output position 0
     cache: KVCache
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator  # rejection sampling's draws (an unseeded sampled request)
+    coupled_seed: int | None  # a seeded request's seed: its tokens are Gumbel-max choices
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Prefill:
     params: SamplingParams
     seed: int
     capacity: int  # longest the sequence may grow (prompt plus output)
+    coupled: bool = False  # a seeded request: sample by coupling (specdec.sampling) with this seed
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,14 @@ class Verifier:
         if len(step.prompt_ids) > 1:
             self.model.forward(cache, step.prompt_ids[:-1])
             self.prefills += 1
-        generator = self.model.new_generator(step.seed)
-        self.sessions[step.session_id] = TargetSession(list(step.prompt_ids), cache, step.params, generator)
+        self.sessions[step.session_id] = TargetSession(
+            tokens=list(step.prompt_ids),
+            prompt_length=len(step.prompt_ids),
+            cache=cache,
+            params=step.params,
+            generator=self.model.new_generator(step.seed),
+            coupled_seed=step.seed if step.coupled else None,
+        )
 
     def verify(self, step: Verify) -> Verified:
         start = time.perf_counter()
@@ -103,8 +112,10 @@ class Verifier:
         k = len(draft.ids)
         fed = session.tokens[session.cache.length :] + draft.ids
         logits = self.model.forward(session.cache, fed)[-(k + 1) :]  # [k+1, V]
+        position = len(session.tokens) - session.prompt_length  # of the first verified token
+        noise = coupling_noise(session.coupled_seed, session.params, position, k + 1, logits.shape[-1])
         outcome = verify_round(
-            logits, session.params, draft.ids, draft.support_ids, draft.support_probs, session.generator
+            logits, session.params, draft.ids, draft.support_ids, draft.support_probs, session.generator, noise
         )
         self._commit(session, draft.ids, outcome)
         self.rounds += 1
