@@ -31,7 +31,7 @@ class Job:
     prompt_ids: list[int]
     length: int  # max_new_tokens
     temperature: float
-    seed: int
+    seed: int  # torch.manual_seed of the peer runs (ours go unseeded, see ours_run)
 
 
 @dataclass
@@ -60,8 +60,10 @@ class Run:
 
 
 def ours_run(gateway: str, job: Job, k: int, auto: bool = False) -> Run:
-    """k = 0: speculation off, unless auto (AUTO mode, which chooses k itself)."""
-    req = generation_pb2.GenerateRequest(max_new_tokens=job.length, temperature=job.temperature, seed=job.seed)
+    """k = 0: speculation off, unless auto (AUTO mode, which chooses k itself). Sent
+    unseeded: a seeded request is sampled by coupling, whose acceptance is lower
+    (bench.coupling measures that path); this measures what a request gets by default."""
+    req = generation_pb2.GenerateRequest(max_new_tokens=job.length, temperature=job.temperature)
     req.token_ids.ids.extend(job.prompt_ids)
     if auto:
         req.speculation.mode = common_pb2.SPECULATION_MODE_AUTO
