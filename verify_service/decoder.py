@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from specdec import requests
 from specdec import span_attributes as attrs
-from specdec.defaults import NUM_DRAFT_TOKENS
+from specdec.defaults import NUM_DRAFT_TOKENS, RECENT_CAPACITY
 from specdec.engine import Engine
 from specdec.errors import InvalidArgument, ResourceExhausted, ServiceError
 from specdec.metrics import ModeMetrics, SpeculationMetrics
@@ -43,7 +43,6 @@ from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
 
 SPECULATING = common_pb2.Speculation(speculating=True)
 AUTO = common_pb2.SPECULATION_MODE_AUTO
-RECENT_CAPACITY = 10_000  # finished requests remembered for RecentRequests
 DEFAULT_RECENT = 100
 
 
