@@ -89,6 +89,7 @@ class Finished:
     completion_tokens: int
     proposed: int
     accepted: int
+    rejections: int  # rounds that ended in a rejection
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class Decoder:
             last = list(self._finished)[-window:]
         proposed = sum(f.proposed for f in last)
         accepted = sum(f.accepted for f in last)
+        rejections = sum(f.rejections for f in last)
         return verify_pb2.RecentRequests(
             window=window,
             requests=len(last),
@@ -181,6 +183,8 @@ class Decoder:
             draft_tokens_proposed=proposed,
             draft_tokens_accepted=accepted,
             acceptance_rate=accepted / proposed if proposed else 0.0,
+            rejections=rejections,
+            alpha_hat=accepted / (accepted + rejections) if accepted + rejections else 0.0,
         )
 
     def expire_idle(self) -> None:
@@ -314,7 +318,10 @@ class Decoder:
             usage = final.usage
             with self._lock:
                 self._finished.append(
-                    Finished(usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted)
+                    Finished(
+                        usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted,
+                        usage.rejections,
+                    )  # fmt: skip
                 )
             yield final
 
