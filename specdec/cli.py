@@ -20,6 +20,7 @@ from specdec.arg_types import INT32_MAX, PORT, SECONDS, UINT64_MAX, float_in, in
 from specdec.client import connect, generate
 from specdec.launcher import Stack, StackConfig, StackError
 from specdec.requests import SPECULATION_MODES as MODES
+from specdec.supervisor import Supervisor
 from specdec.v1 import generation_pb2
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split an HTTP header line into its name and value."""\n'
@@ -65,11 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"draft {config.draft_address} (target {config.target}, draft {config.draft}; logs in {workdir})",
         flush=True,
     )
-    while not stop.wait(0.5):
-        for name, process in stack.processes.items():
-            if process.poll() is not None:
-                print(f"specdec serve: {name} exited with {process.returncode}; shutting down", file=sys.stderr)
-                stop.set()
+    Supervisor(stack).run(stop)  # restarts a service that exits; only a signal stops them all
     codes = stack.stop()
     print(f"specdec stopped: {', '.join(f'{n} exit {c}' for n, c in codes.items())}", flush=True)
     return 0 if all(c == 0 for c in codes.values()) else 1
@@ -179,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as a gRPC service pair.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run draft, verify and gateway on this machine until Ctrl-C")
+    serve = sub.add_parser(
+        "serve", help="run draft, verify and gateway on this machine until Ctrl-C, restarting any that exits"
+    )
     _add_model_args(serve)
     serve.add_argument("--host", default=_env("SPECDEC_HOST", "127.0.0.1"), help="gateway host to listen on")
     serve.add_argument("--port", type=PORT, default=_env("SPECDEC_PORT", "50051"), help="gateway port")

@@ -3,44 +3,18 @@
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 from specdec.cli import build_parser, main
 from specdec.defaults import RECENT_CAPACITY
 from specdec.launcher import free_port
+from tests.helpers import Lines
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
-
-
-class Lines:
-    """Reads a process's stdout on a thread so that tests can wait for a line with a timeout."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self._queue: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, args=(process,), daemon=True).start()
-
-    def _pump(self, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            self._queue.put(line)
-
-    def wait_for(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no line starting with {prefix!r} in {timeout}s; saw {self.seen}") from None
-            self.seen.append(line)
-            if line.startswith(prefix):
-                return line
 
 
 @pytest.mark.parametrize("module", ["draft_service", "verify_service", "gateway"])
