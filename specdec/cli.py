@@ -16,12 +16,16 @@ import grpc
 from google.protobuf import json_format
 
 from specdec import defaults, doctor
+from specdec.arg_types import INT32_MAX, PORT, SECONDS, UINT64_MAX, float_in, int_in
 from specdec.client import connect, generate
 from specdec.launcher import Stack, StackConfig, StackError
 from specdec.requests import SPECULATION_MODES as MODES
+from specdec.supervisor import Supervisor
 from specdec.v1 import generation_pb2
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split an HTTP header line into its name and value."""\n'
+MAX_NEW_TOKENS = int_in(1, INT32_MAX)  # the request's int32; the server checks its own, lower limit
+DRAFT_TOKENS = int_in(1, defaults.MAX_DRAFT_TOKENS)
 
 
 def _env(name: str, default: str) -> str:
@@ -62,11 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"draft {config.draft_address} (target {config.target}, draft {config.draft}; logs in {workdir})",
         flush=True,
     )
-    while not stop.wait(0.5):
-        for name, process in stack.processes.items():
-            if process.poll() is not None:
-                print(f"specdec serve: {name} exited with {process.returncode}; shutting down", file=sys.stderr)
-                stop.set()
+    Supervisor(stack).run(stop)  # restarts a service that exits; only a signal stops them all
     codes = stack.stop()
     print(f"specdec stopped: {', '.join(f'{n} exit {c}' for n, c in codes.items())}", flush=True)
     return 0 if all(c == 0 for c in codes.values()) else 1
@@ -176,35 +176,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as a gRPC service pair.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run draft, verify and gateway on this machine until Ctrl-C")
+    serve = sub.add_parser(
+        "serve", help="run draft, verify and gateway on this machine until Ctrl-C, restarting any that exits"
+    )
     _add_model_args(serve)
     serve.add_argument("--host", default=_env("SPECDEC_HOST", "127.0.0.1"), help="gateway host to listen on")
-    serve.add_argument("--port", type=int, default=int(_env("SPECDEC_PORT", "50051")), help="gateway port")
+    serve.add_argument("--port", type=PORT, default=_env("SPECDEC_PORT", "50051"), help="gateway port")
     serve.add_argument("--workdir", default=_env("SPECDEC_WORKDIR", ""), help="folder for sockets and logs (default: a new temporary one)")
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="start the services, stream a prompt with and without speculation, print the figures")
     _add_model_args(demo)
-    demo.add_argument("--port", type=int, default=int(_env("SPECDEC_DEMO_PORT", "50061")), help="gateway port of the demo")
+    demo.add_argument("--port", type=PORT, default=_env("SPECDEC_DEMO_PORT", "50061"), help="gateway port of the demo")
     demo.add_argument("--prompt", default=DEMO_PROMPT, help="prompt to complete")
-    demo.add_argument("--max-new-tokens", type=int, default=256)
-    demo.add_argument("--num-draft-tokens", type=int, default=defaults.NUM_DRAFT_TOKENS)
+    demo.add_argument("--max-new-tokens", type=MAX_NEW_TOKENS, default=256)
+    demo.add_argument("--num-draft-tokens", type=DRAFT_TOKENS, default=defaults.NUM_DRAFT_TOKENS)
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="stream a completion from a running gateway")
     gen.add_argument("prompt", help="prompt text, or - to read it from standard input")
     gen.add_argument("--gateway", default=_env("SPECDEC_GATEWAY", defaults.GATEWAY_ADDRESS), help="gateway HOST:PORT")
-    gen.add_argument("--max-new-tokens", type=int)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-new-tokens", type=MAX_NEW_TOKENS, help="tokens to generate at most; the server caps it too")
+    gen.add_argument("--temperature", type=float_in(0.0), help="softmax temperature; 0 is greedy")
+    gen.add_argument("--top-k", type=int_in(0, INT32_MAX), help="keep the k most likely tokens; 0 disables")
+    gen.add_argument("--top-p", type=float_in(0.0, 1.0, above=True), help="nucleus sampling mass in (0, 1]")
+    gen.add_argument("--seed", type=int_in(0, UINT64_MAX), help="seed for reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument(
         "--speculation", choices=sorted(MODES), help="auto, on or off (default: the server's, auto unless configured)"
     )
-    gen.add_argument("--num-draft-tokens", type=int, help="draft tokens per round with --speculation on (default 4)")
-    gen.add_argument("--timeout", type=float, default=None, help="deadline of the request, in seconds")
+    gen.add_argument("--num-draft-tokens", type=DRAFT_TOKENS, help="draft tokens per round in mode on (default 4)")
+    gen.add_argument("--timeout", type=SECONDS, default=None, help="deadline of the request, in seconds")
     gen.add_argument("--json", action="store_true", help="one JSON object per streamed message, then a summary")
     gen.set_defaults(func=cmd_generate)
 
@@ -219,8 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doc.add_argument("--gateway", help="gateway HOST:PORT to ask (default $SPECDEC_GATEWAY or 127.0.0.1:50051)")
     doc.add_argument("--verify", help="verify service address to ask directly instead (host:port or unix:///path)")
-    doc.add_argument("--requests", type=int, default=100, help="recent requests the length and acceptance checks cover")
-    doc.add_argument("--timeout", type=float, default=10.0, help="deadline of the query, in seconds")
+    doc.add_argument(
+        "--requests", type=int_in(1, defaults.RECENT_CAPACITY), default=100,
+        help="recent requests the length and acceptance checks cover",
+    )  # fmt: skip
+    doc.add_argument("--timeout", type=SECONDS, default=10.0, help="deadline of the query, in seconds")
     doc.add_argument("--json", action="store_true", help="one JSON object: each check's verdict and figure")
     doc.set_defaults(func=cmd_doctor)
     return parser

@@ -28,3 +28,5 @@ GATEWAY_ADDRESS = "127.0.0.1:50051"
 
 NUM_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 16
+
+RECENT_CAPACITY = 10_000  # finished requests the verify service remembers for RecentRequests

@@ -1,5 +1,7 @@
 """Starts the three services as processes on this machine, waits until each reports
-healthy, and stops them cleanly. Used by `specdec serve`, `specdec demo` and the tests."""
+healthy, and stops them cleanly. Used by `specdec serve`, `specdec demo` and the tests.
+The pid of each service's latest process is in <workdir>/<service>.pid until the stack
+stops, for operators and tests."""
 
 from __future__ import annotations
 
@@ -78,26 +80,40 @@ class Stack:
     def log_path(self, service: str) -> Path:
         return self.config.workdir / f"{service}.log"
 
+    def pid_path(self, service: str) -> Path:
+        return self.config.workdir / f"{service}.pid"
+
+    def environment(self) -> dict[str, str]:
+        """Every service's environment: this process's, with the config's settings."""
+        return {**os.environ, **self.config.env, "PYTHONUNBUFFERED": "1"}
+
     def start(self, timeout_s: float = 180.0) -> None:
         """Starts every service at once and waits until all report SERVING. The verify
         service waits for its draft to come up and pairs with it before it serves
         (--draft-startup-wait-s), so the first request speculates."""
         self.config.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.config.env, "PYTHONUNBUFFERED": "1"}
         deadline = time.monotonic() + timeout_s
         services = self.services()
         for service in services:
-            self.start_service(service, env)
+            self.start_service(service)
         for service in services:
             self.wait_healthy(service, deadline)
 
-    def start_service(self, service: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start_service(self, service: str) -> subprocess.Popen:
+        """Starts (or starts again) one service, without waiting for it to be healthy."""
         log = self.log_path(service).open("ab")
         process = subprocess.Popen(
-            self.config.command(service), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.config.command(service),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,
         )
         log.close()
         self.processes[service] = process
+        written = self.pid_path(service).with_suffix(".pid.new")
+        written.write_text(f"{process.pid}\n")
+        written.replace(self.pid_path(service))  # readers never see a half-written file
         return process
 
     def wait_healthy(self, service: str, deadline: float) -> None:
@@ -143,6 +159,7 @@ class Stack:
                     process.kill()
                     process.wait()
                 codes[service] = process.returncode
+                self.pid_path(service).unlink(missing_ok=True)
         return codes
 
     def __enter__(self) -> Stack:

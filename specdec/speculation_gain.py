@@ -7,6 +7,8 @@ Terms:
   c     one draft token's cost / one target-only token's cost
   v(k)  one verification of k draft tokens (k+1 positions) / one target-only token's cost
   E(k)  = (1 - α^(k+1)) / (1 - α), expected tokens per round (accepted plus the closing one)
+  r(k)  = (α + α² + … + α^k) / k = (E(k) - 1) / k, the expected acceptance rate
+          (accepted / proposed), which falls as k grows for the same α
   gain  = E(k) / (k·c + v(k)), expected tokens per unit time relative to target-only
 """
 
@@ -18,6 +20,26 @@ from collections.abc import Mapping
 def expected_tokens(alpha: float, k: int) -> float:
     """E(k): expected tokens a round of k draft tokens emits."""
     return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_acceptance_rate(alpha: float, k: int) -> float:
+    """r(k): the acceptance rate (accepted / proposed) expected of rounds of k draft tokens."""
+    return (expected_tokens(alpha, k) - 1.0) / k
+
+
+def alpha_for_acceptance_rate(rate: float, k: int, tolerance: float = 1e-12) -> float:
+    """The α whose expected acceptance rate at k is `rate` (0 <= rate <= 1), by bisection:
+    r(k) rises monotonically with α from 0 to 1."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"an acceptance rate is in [0, 1], not {rate}")
+    low, high = 0.0, 1.0
+    while high - low > tolerance:
+        mid = (low + high) / 2
+        if expected_acceptance_rate(mid, k) < rate:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
 def gain(alpha: float, k: int, c: float, v: float) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec import fingerprint
+from specdec import defaults, fingerprint
 from specdec.launcher import Stack, StackConfig, free_port
 from specdec.v1 import pairing_pb2
 from specdec.toy_models import ToySize, build_model, build_tokenizer, perturbed_copy
@@ -73,14 +73,46 @@ def start_stack(
     return stack
 
 
+def stop_all(stacks: list[Stack]) -> None:
+    # Together: each stop waits for its services' graceful shutdown, seconds apiece.
+    with ThreadPoolExecutor(max(1, len(stacks))) as pool:
+        list(pool.map(Stack.stop, stacks))
+
+
 @pytest.fixture(scope="session")
-def shared_stack(toy: ToyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def session_stacks() -> Iterator[list[Stack]]:
+    """The stacks started once per session, stopped together when it ends."""
+    stacks: list[Stack] = []
+    yield stacks
+    stop_all(stacks)
+
+
+@pytest.fixture(scope="session")
+def shared_stack(toy: ToyModels, tmp_path_factory: pytest.TempPathFactory, session_stacks: list[Stack]) -> Stack:
     """The default stack (toy target, close draft over a unix socket, default flags, no
     trace export), started once for the tests that only send it requests and read it:
     starting a stack costs seconds of CPU per service."""
-    stack = start_stack(tmp_path_factory, toy.target, toy.close, env=NO_EXPORT)
-    yield stack
-    stack.stop()
+    session_stacks.append(start_stack(tmp_path_factory, toy.target, toy.close, env=NO_EXPORT))
+    return session_stacks[-1]
+
+
+@pytest.fixture(scope="session")
+def default_pair_stack(tmp_path_factory: pytest.TempPathFactory, session_stacks: list[Stack]) -> Stack:
+    """The embedded pair (models/target, models/draft), started once: its verify service
+    also measures the target's forward costs for seconds before it serves."""
+    target, draft = Path(defaults.DEFAULT_TARGET), Path(defaults.DEFAULT_DRAFT)
+    # Patient draft deadlines: its tests assert on speculation, which a missed deadline
+    # turns off for the rest of a request.
+    args = {"verify": ["--threads", "2", "--draft-deadline-min-ms", "10000"]}
+    session_stacks.append(start_stack(tmp_path_factory, target, draft, args=args, env=NO_EXPORT))
+    return session_stacks[-1]
+
+
+@pytest.fixture(scope="session")
+def far_stack(toy: ToyModels, tmp_path_factory: pytest.TempPathFactory, session_stacks: list[Stack]) -> Stack:
+    """The toy target with the `far` draft (same tokenizer, unrelated weights), started once."""
+    session_stacks.append(start_stack(tmp_path_factory, toy.target, toy.far, env=NO_EXPORT))
+    return session_stacks[-1]
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +125,7 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFac
         return stacks[-1]
 
     yield start
-    # Together: each stop waits for its services' graceful shutdown, seconds apiece.
-    with ThreadPoolExecutor(max(1, len(stacks))) as pool:
-        list(pool.map(Stack.stop, stacks))
+    stop_all(stacks)
 
 
 BOOT = "b7c1f2a0-1111-4c4c-9e9e-000000000001"

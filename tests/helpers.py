@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -125,3 +128,27 @@ def wait_for(condition: Callable[[], T | None], what: str, timeout_s: float = 30
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+class Lines:
+    """Reads a process's stdout on a thread so that tests can wait for a line with a timeout."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self._queue: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(process,), daemon=True).start()
+
+    def _pump(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self._queue.put(line)
+
+    def wait_for(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line starting with {prefix!r} in {timeout}s; saw {self.seen}") from None
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line

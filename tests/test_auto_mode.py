@@ -5,7 +5,6 @@ keeps missing."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -220,11 +219,6 @@ def test_before_the_drafts_cost_is_known_a_session_probes():
 # --- through the services ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def far_stack(stack_factory, toy):
-    return stack_factory(toy.target, toy.far)
-
-
 def test_short_requests_never_contact_the_draft(far_stack):
     before = draft_info(far_stack)
     completion = run(far_stack, auto_request(32))
@@ -257,8 +251,8 @@ def test_every_auto_round_says_what_it_chose_and_the_output_stays_exact(far_stac
             assert r.auto_choice == PROBE and 1 <= r.draft_tokens <= AutoPolicy().probe_k
 
 
-def test_auto_on_the_default_pair_speculates_and_stays_exact(stack_factory):
-    stack = stack_factory(Path(defaults.DEFAULT_TARGET), Path(defaults.DEFAULT_DRAFT), args={"verify": ["--threads", "2"]})
+def test_auto_on_the_default_pair_speculates_and_stays_exact(default_pair_stack):
+    stack = default_pair_stack
     # A held-out prompt the committed draft follows (greedy acceptance 0.98 over 200 tokens at
     # k = 4, an expected gain near 2.5 with the costs measured here, c 0.12 and v(4) 1.45):
     # where α̂ is near 0.6 the gain is near 1, and whether AUTO speculates there rightly turns

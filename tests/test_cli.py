@@ -3,42 +3,18 @@
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
+from specdec.cli import build_parser, main
+from specdec.defaults import RECENT_CAPACITY
 from specdec.launcher import free_port
+from tests.helpers import Lines
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
-
-
-class Lines:
-    """Reads a process's stdout on a thread so that tests can wait for a line with a timeout."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self._queue: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, args=(process,), daemon=True).start()
-
-    def _pump(self, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            self._queue.put(line)
-
-    def wait_for(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no line starting with {prefix!r} in {timeout}s; saw {self.seen}") from None
-            self.seen.append(line)
-            if line.startswith(prefix):
-                return line
 
 
 @pytest.mark.parametrize("module", ["draft_service", "verify_service", "gateway"])
@@ -77,12 +53,13 @@ def test_serve_generate_and_sigterm(toy, tmp_path):
         assert messages[0]["speculation"]["speculating"] is True
 
         bad = subprocess.run(
-            [*SPECDEC, "generate", "hi", "--gateway", f"127.0.0.1:{port}", "--top-p", "2"],
+            # In the CLI's range, past the server's limit: the server's refusal is shown.
+            [*SPECDEC, "generate", "hi", "--gateway", f"127.0.0.1:{port}", "--max-new-tokens", "100000"],
             capture_output=True,
             text=True,
             timeout=120,
         )
-        assert bad.returncode == 1 and "INVALID_ARGUMENT: top_p" in bad.stderr
+        assert bad.returncode == 1 and "INVALID_ARGUMENT: max_new_tokens: must be in 1..2048" in bad.stderr
 
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
@@ -112,3 +89,69 @@ def test_demo_streams_both_ways_and_prints_the_figures(toy):
             assert 0 < float(acceptance) <= 1
     assert "on: k=4 every round; auto: k in" in out
     assert "outputs identical: yes" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "x", "--seed", "-1"],
+        ["generate", "x", "--seed", str(2**64)],
+        ["generate", "x", "--max-new-tokens", "0"],
+        ["generate", "x", "--max-new-tokens", "99999999999"],
+        ["generate", "x", "--temperature", "-0.5"],
+        ["generate", "x", "--temperature", "nan"],
+        ["generate", "x", "--temperature", "1e39"],  # inf once sent as a proto float
+        ["generate", "x", "--top-k", "-1"],
+        ["generate", "x", "--top-k", "1.5"],
+        ["generate", "x", "--top-p", "0"],
+        ["generate", "x", "--top-p", "1.01"],
+        ["generate", "x", "--num-draft-tokens", "0"],
+        ["generate", "x", "--num-draft-tokens", "17"],
+        ["generate", "x", "--timeout", "0"],
+        ["generate", "x", "--timeout", "1e10"],  # gRPC takes it as already passed
+        ["doctor", "--requests", "-1"],
+        ["doctor", "--requests", str(RECENT_CAPACITY + 1)],
+        ["doctor", "--timeout", "inf"],
+        ["serve", "--port", "0"],
+        ["serve", "--port", "65536"],
+        ["demo", "--port", "-5"],
+        ["demo", "--max-new-tokens", "0"],
+        ["demo", "--num-draft-tokens", "99"],
+    ],
+    ids=" ".join,
+)
+def test_out_of_range_arguments_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: specdec") and f"argument {argv[-2]}: " in err
+
+
+def test_a_bad_port_in_the_environment_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("SPECDEC_PORT", "http")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve"])
+    assert exited.value.code == 2
+    assert "argument --port: not an integer: 'http'" in capsys.readouterr().err
+
+
+def test_a_bad_argument_prints_no_traceback():
+    done = subprocess.run([*SPECDEC, "generate", "x", "--seed", "-1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "usage: specdec generate" in done.stderr and "Traceback" not in done.stderr
+    assert "argument --seed: -1 is outside 0..18446744073709551615" in done.stderr
+
+
+def test_the_edges_of_each_range_are_accepted(monkeypatch):
+    monkeypatch.delenv("SPECDEC_DEMO_PORT", raising=False)
+    parser = build_parser()
+    gen = parser.parse_args(
+        ["generate", "x", "--seed", str(2**64 - 1), "--max-new-tokens", "1", "--temperature", "0", "--top-k", "0",
+         "--top-p", "1", "--num-draft-tokens", "16", "--timeout", "0.001"]
+    )  # fmt: skip
+    assert (gen.seed, gen.max_new_tokens, gen.temperature, gen.top_k, gen.top_p) == (2**64 - 1, 1, 0.0, 0, 1.0)
+    assert (gen.num_draft_tokens, gen.timeout) == (16, 0.001)
+    assert parser.parse_args(["doctor", "--requests", str(RECENT_CAPACITY)]).requests == RECENT_CAPACITY
+    assert parser.parse_args(["serve", "--port", "65535"]).port == 65535
+    assert parser.parse_args(["demo"]).port == 50061  # a default given as text is converted too

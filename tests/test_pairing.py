@@ -1,5 +1,6 @@
 """The pairing handshake between real services: topology, same-origin and memory guards,
-their overrides, and what Info and every stream say about them."""
+their overrides, what Info and every stream say about them, and what `specdec doctor`
+makes of them and of the traffic."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import sys
 import grpc
 import pytest
 
+from specdec import defaults
+from specdec.client import Completion
+from specdec.defaults import NUM_DRAFT_TOKENS
+from specdec.doctor import ACCEPTANCE_FLOOR, ALPHA_FLOOR
 from specdec.launcher import Stack, free_port
+from specdec.speculation_gain import alpha_for_acceptance_rate, expected_acceptance_rate
 from specdec.toy_models import foreign_tokenizer_copy
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, pairing_pb2
 from tests.helpers import request, run, verify_info
@@ -45,6 +51,20 @@ def assert_refused_streams(stack: Stack, *needles: str) -> None:
         assert message.round.draft_tokens == 0
 
 
+def assert_acceptance_figure(check: dict, completions: list[Completion]) -> float:
+    """Doctor's acceptance figure is these completions' α̂ and acceptance rate; returns α̂."""
+    proposed = sum(c.usage.draft_tokens_proposed for c in completions)
+    accepted = sum(c.usage.draft_tokens_accepted for c in completions)
+    rejections = sum(c.usage.rejections for c in completions)
+    alpha = accepted / (accepted + rejections)
+    assert check["figure"].startswith(
+        f"α̂ {alpha:.3f} (acceptance {accepted / proposed:.3f} at the k clients used: "
+        f"{accepted}/{proposed} draft tokens, {rejections} rejections"
+    ), check["figure"]
+    assert f"{ALPHA_FLOOR:.2f} = the guide's 0.4 acceptance at k = {NUM_DRAFT_TOKENS}" in check["detail"]
+    return alpha
+
+
 def test_unix_socket_draft_pairs(toy, shared_stack):
     stack = shared_stack
     pairing = verify_info(stack).pairing
@@ -72,13 +92,46 @@ def test_unix_socket_draft_pairs(toy, shared_stack):
     assert float(checks["target memory"]["figure"].split("%")[0]) / 100 == pytest.approx(pairing.target_memory_share, abs=0.05)
     assert checks["same-origin draft"]["verdict"] == "pass"
     assert checks["same card or host"]["verdict"] == "pass" and "CPU" in checks["same card or host"]["figure"]
-    proposed = sum(c.usage.draft_tokens_proposed for c in last)
-    accepted = sum(c.usage.draft_tokens_accepted for c in last)
-    rate = accepted / proposed
-    assert checks["acceptance rate"]["figure"].startswith(f"{rate:.3f} ({accepted}/{proposed} draft tokens")
-    assert checks["acceptance rate"]["verdict"] == ("pass" if rate >= 0.4 else "fail")
-    assert code == (0 if rate >= 0.4 else 1) and report["ok"] == (code == 0)
+    alpha = assert_acceptance_figure(checks["acceptance rate"], last)
+    assert checks["acceptance rate"]["verdict"] == ("pass" if alpha >= ALPHA_FLOOR else "fail")
+    assert code == (0 if alpha >= ALPHA_FLOOR else 1) and report["ok"] == (code == 0)
     assert doctor("--verify", stack.config.verify_address, "--requests", "2") == (code, report)
+
+
+def test_doctors_floor_is_the_guides_acceptance_rate_at_the_default_k():
+    k = NUM_DRAFT_TOKENS
+    assert sum(ALPHA_FLOOR**i for i in range(1, k + 1)) / k == pytest.approx(ACCEPTANCE_FLOOR, abs=1e-6)
+    assert expected_acceptance_rate(ALPHA_FLOOR, k) == pytest.approx(ACCEPTANCE_FLOOR, abs=1e-6)
+    # DESIGN.md's example: an acceptance rate of 0.6 at k = 4 is α̂ ≈ 0.8.
+    assert alpha_for_acceptance_rate(0.6, 4) == pytest.approx(0.8, abs=0.01)
+    # The same α̂ shows a lower acceptance rate to clients who ask for more draft tokens.
+    assert expected_acceptance_rate(ALPHA_FLOOR, 8) < ACCEPTANCE_FLOOR < expected_acceptance_rate(ALPHA_FLOOR, 1)
+
+
+def speculate(stack: Stack, prompts: list[str], k: int, max_new_tokens: int) -> list[Completion]:
+    return [run(stack, request(p, max_new_tokens=max_new_tokens, k=k), timeout=120) for p in prompts]
+
+
+def test_doctor_passes_the_embedded_pair_at_k_8(default_pair_stack):
+    """At k = 8 the embedded pair's acceptance rate sits near 0.4 (it falls with k); its
+    α̂, which does not, clears the floor."""
+    prompts = defaults.heldout_prompts()[:4]
+    done = speculate(default_pair_stack, prompts, k=8, max_new_tokens=96)
+    _, report = doctor("--verify", default_pair_stack.config.verify_address, "--requests", str(len(prompts)))
+    check = next(c for c in report["checks"] if c["name"] == "acceptance rate")
+    alpha = assert_acceptance_figure(check, done)
+    assert check["verdict"] == "pass" and alpha >= ALPHA_FLOOR
+
+
+def test_doctor_fails_a_same_tokenizer_draft_with_unrelated_weights(far_stack):
+    prompts = [PROMPT, "The quick brown fox", "Speculative decoding keeps"]
+    done = speculate(far_stack, prompts, k=NUM_DRAFT_TOKENS, max_new_tokens=32)
+    code, report = doctor("--verify", far_stack.config.verify_address, "--requests", str(len(prompts)))
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["same-origin draft"]["verdict"] == "pass"  # only the acceptance check can tell
+    alpha = assert_acceptance_figure(checks["acceptance rate"], done)
+    assert checks["acceptance rate"]["verdict"] == "fail" and alpha < ALPHA_FLOOR
+    assert code == 1 and not report["ok"]
 
 
 def test_tcp_draft_on_this_host_pairs(toy, stack_factory):

@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from specdec import requests
 from specdec import span_attributes as attrs
-from specdec.defaults import NUM_DRAFT_TOKENS
+from specdec.defaults import NUM_DRAFT_TOKENS, RECENT_CAPACITY
 from specdec.engine import Engine
 from specdec.errors import Internal, InvalidArgument, ResourceExhausted, ServiceError
 from specdec.metrics import ModeMetrics, SpeculationMetrics
@@ -43,7 +43,6 @@ from verify_service.verifier import NO_DRAFT, Prefill, Release, Verified, Verify
 
 SPECULATING = common_pb2.Speculation(speculating=True)
 AUTO = common_pb2.SPECULATION_MODE_AUTO
-RECENT_CAPACITY = 10_000  # finished requests remembered for RecentRequests
 DEFAULT_RECENT = 100
 
 
@@ -96,6 +95,7 @@ class Finished:
     completion_tokens: int
     proposed: int
     accepted: int
+    rejections: int  # rounds that ended in a rejection
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,7 @@ class Decoder:
             last = list(self._finished)[-window:]
         proposed = sum(f.proposed for f in last)
         accepted = sum(f.accepted for f in last)
+        rejections = sum(f.rejections for f in last)
         return verify_pb2.RecentRequests(
             window=window,
             requests=len(last),
@@ -188,6 +189,8 @@ class Decoder:
             draft_tokens_proposed=proposed,
             draft_tokens_accepted=accepted,
             acceptance_rate=accepted / proposed if proposed else 0.0,
+            rejections=rejections,
+            alpha_hat=accepted / (accepted + rejections) if accepted + rejections else 0.0,
         )
 
     def expire_idle(self) -> None:
@@ -324,7 +327,10 @@ class Decoder:
             usage = final.usage
             with self._lock:
                 self._finished.append(
-                    Finished(usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted)
+                    Finished(
+                        usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted,
+                        usage.rejections,
+                    )  # fmt: skip
                 )
             yield final
 

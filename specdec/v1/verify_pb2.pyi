@@ -45,7 +45,7 @@ class VerifyInfoRequest(_message.Message):
     def __init__(self, recent_requests: _Optional[int] = ...) -> None: ...
 
 class RecentRequests(_message.Message):
-    __slots__ = ("window", "requests", "mean_completion_tokens", "speculated_requests", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate")
+    __slots__ = ("window", "requests", "mean_completion_tokens", "speculated_requests", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "rejections", "alpha_hat")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MEAN_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class RecentRequests(_message.Message):
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_HAT_FIELD_NUMBER: _ClassVar[int]
     window: int
     requests: int
     mean_completion_tokens: float
@@ -60,7 +62,9 @@ class RecentRequests(_message.Message):
     draft_tokens_proposed: int
     draft_tokens_accepted: int
     acceptance_rate: float
-    def __init__(self, window: _Optional[int] = ..., requests: _Optional[int] = ..., mean_completion_tokens: _Optional[float] = ..., speculated_requests: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
+    rejections: int
+    alpha_hat: float
+    def __init__(self, window: _Optional[int] = ..., requests: _Optional[int] = ..., mean_completion_tokens: _Optional[float] = ..., speculated_requests: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., rejections: _Optional[int] = ..., alpha_hat: _Optional[float] = ...) -> None: ...
 
 class VerifyInfo(_message.Message):
     __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime", "pairing", "max_sessions", "recent", "queued_requests", "max_queued", "session_kv_budget_bytes", "session_idle_s", "expired_sessions")
