@@ -1,11 +1,12 @@
 """Prompts far larger than the context, as a hostile client sends them: the gateway
 refuses them before tokenizing, in milliseconds, without keeping their memory or slowing
 the streams it serves; prompts that tokenize past the context are refused naming the
-figures the client can act on."""
+figures the client can act on; a gateway that cannot learn the context says why."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from transformers import AutoTokenizer
 
 from gateway.limits import longest_token_bytes
 from specdec.defaults import REPO
-from specdec.launcher import Stack
+from specdec.launcher import Stack, StackConfig, free_port
 from specdec.v1 import common_pb2, generation_pb2, verify_pb2, verify_pb2_grpc
+from tests.conftest import NO_EXPORT
 from tests.helpers import request, rpc_error, run
 from tests.hostile_client import HUGE
 
@@ -190,3 +192,26 @@ def test_prompts_over_the_context_in_tokens_name_the_figures(stack, tokenizer):
             list(verify_pb2_grpc.VerifyStub(channel).Decode(decode, timeout=30))
     assert direct.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert direct.value.details() == expected
+
+
+def test_a_gateway_that_cannot_ask_the_verify_service_for_the_context_answers_unavailable(toy, tmp_path_factory):
+    """A gateway whose verify service never came up: its first request cannot learn the
+    context, and the client reads which service is missing."""
+    lone = Stack(
+        StackConfig(
+            target=str(toy.target),
+            draft=str(toy.target),
+            workdir=tmp_path_factory.mktemp("lone"),
+            gateway_address=f"127.0.0.1:{free_port()}",
+        )
+    )
+    lone.start_service("gateway", {**os.environ, **NO_EXPORT})  # and no verify service
+    try:
+        with grpc.insecure_channel(lone.config.gateway_address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+        err = rpc_error(lone, request("def f():", max_new_tokens=4))
+    finally:
+        lone.stop()
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+    named = f"verify service at {lone.config.verify_address}: could not learn its context"
+    assert err.details().startswith(named), err.details()
