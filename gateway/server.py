@@ -18,7 +18,9 @@ from opentelemetry import trace
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.limits import VerifyLimits, longest_token_bytes
 from gateway.stops import StopMatcher
+from gateway.tokenizing import PromptTokenizer
 from specdec import defaults, requests
 from specdec.errors import InvalidArgument, ServiceError, Unavailable
 from specdec.flags import option, parse_config
@@ -38,6 +40,15 @@ class GatewayConfig:
     verify: str = option(defaults.VERIFY_ADDRESS, "verify service address: host:port or unix:///path")
     tokenizer: str = option(defaults.DEFAULT_TARGET, "tokenizer of the target model: local directory or hub id")
     default_max_new_tokens: int = option(64, "max_new_tokens of requests that do not set it")
+    max_prompt_bytes: int = option(
+        0,
+        "longest text prompt, in UTF-8 bytes: longer ones are refused (INVALID_ARGUMENT) before they are tokenized; "
+        "0: derived, the target's context in tokens (asked of the verify service) times the tokenizer's longest "
+        "token in bytes, so that no prompt that could fit is refused",
+    )
+    tokenize_workers: int = option(
+        2, "threads that tokenize text prompts: at most this many are tokenized at once, the rest wait their turn"
+    )
     max_stop_sequences: int = option(16, "most stop sequences a request may give")
     max_stop_length: int = option(256, "longest stop sequence, in characters")
     workers: int = option(64, "gRPC handler threads: most calls served at once (more get RESOURCE_EXHAUSTED)")
@@ -50,13 +61,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
+        prompts: PromptTokenizer,
         verify: verify_pb2_grpc.VerifyStub,
+        limits: VerifyLimits,
         config: GatewayConfig,
         telemetry: Telemetry,
         drain: Drain,
     ) -> None:
         self._tokenizer = tokenizer
+        self._prompts = prompts
         self._verify = verify
+        self._limits = limits
         self._config = config
         self._drain = drain
         self._tracer = telemetry.tracer
@@ -91,7 +106,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.abort(code, message)
 
         try:
-            decode_request = self._decode_request(request)
+            decode_request = self._decode_request(request, context)
         except ServiceError as err:
             abort(err.code, str(err))
         s = decode_request.sampling
@@ -137,13 +152,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             verify_address=self._config.verify, tokenizer=self._config.tokenizer, verify=verify, active_streams=self.streams
         )
 
-    def _decode_request(self, request: generation_pb2.GenerateRequest) -> verify_pb2.DecodeRequest:
+    def _decode_request(
+        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> verify_pb2.DecodeRequest:
+        """Validates the request, cheapest checks first: a text prompt is measured before
+        it is tokenized, and the tokens against the context before a DecodeRequest is built."""
         which = request.WhichOneof("prompt")
-        if which == "text" and request.text:
-            prompt_ids = self._tokenizer.encode(request.text)
-        elif which == "token_ids" and request.token_ids.ids:
-            prompt_ids = list(request.token_ids.ids)
-        else:
+        text = request.text if which == "text" else ""  # each read of a string field copies it
+        if not (text or (which == "token_ids" and request.token_ids.ids)):
             raise InvalidArgument("prompt: must be a non-empty text or list of token ids")
         if len(request.stop) > self._config.max_stop_sequences:
             raise InvalidArgument(f"stop: at most {self._config.max_stop_sequences} sequences, got {len(request.stop)}")
@@ -153,6 +169,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         num_draft_tokens = 0  # the verify service's default
         if request.speculation.HasField("num_draft_tokens"):
             num_draft_tokens = requests.check_num_draft_tokens(request.speculation.num_draft_tokens)
+        limits = self._limits.get(remaining_timeout(context))
+        if text:
+            requests.check_prompt_text(text, limits.max_text_bytes, limits.context)
+            prompt_ids = self._prompts.encode(text, context)
+            requests.check_prompt_length(len(prompt_ids), limits.context)
+        else:
+            requests.check_prompt_length(len(request.token_ids.ids), limits.context)
+            prompt_ids = list(request.token_ids.ids)
+        defaulted = not request.HasField("max_new_tokens")
+        max_new_tokens = requests.check_max_new_tokens(
+            self._config.default_max_new_tokens if defaulted else request.max_new_tokens,
+            limits.max_new_tokens,
+            len(prompt_ids),
+            limits.context,
+            defaulted,
+        )
         sampling = common_pb2.SamplingParams(
             temperature=request.temperature if request.HasField("temperature") else 0.0,
             top_k=request.top_k if request.HasField("top_k") else 0,
@@ -162,9 +194,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sampling.seed = request.seed
         return verify_pb2.DecodeRequest(
             prompt_ids=prompt_ids,
-            max_new_tokens=(
-                request.max_new_tokens if request.HasField("max_new_tokens") else self._config.default_max_new_tokens
-            ),
+            max_new_tokens=max_new_tokens,
             sampling=sampling,
             speculation=request.speculation.mode,
             num_draft_tokens=num_draft_tokens,
@@ -222,12 +252,19 @@ def follow_verify_health(channel: grpc.Channel, service: Service, log: logging.L
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(GatewayConfig, argv, "python -m gateway", "specdec gateway: the public Generation API", "SPECDEC_GATEWAY")
+    if config.max_prompt_bytes < 0:
+        raise SystemExit(f"--max-prompt-bytes: must be >= 0 (0: derived), not {config.max_prompt_bytes}")
+    if config.tokenize_workers < 1:
+        raise SystemExit(f"--tokenize-workers: must be >= 1, not {config.tokenize_workers}")
     log = setup_logging("gateway")
     telemetry = Telemetry("specdec-gateway", config.metrics_listen, log)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    prompts = PromptTokenizer(tokenizer, config.tokenize_workers)
     channel = grpc.insecure_channel(config.verify, options=channel_options())
+    verify = verify_pb2_grpc.VerifyStub(channel)
+    limits = VerifyLimits(verify, config.verify, longest_token_bytes(tokenizer), config.max_prompt_bytes, log)
     service = Service("gateway", config.listen, config.workers, config.grace_s, config.max_message_bytes)
-    servicer = GenerationServicer(tokenizer, verify_pb2_grpc.VerifyStub(channel), config, telemetry, service.drain)
+    servicer = GenerationServicer(tokenizer, prompts, verify, limits, config, telemetry, service.drain)
     service.add(
         generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
         lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
@@ -238,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     service.wait_for_signal()
     log.info("shutting down")
     service.stop()
+    prompts.shutdown()
     channel.close()
     telemetry.shutdown(config.grace_s)
     return 0

@@ -219,11 +219,10 @@ class Decoder:
 
     def plan(self, request: verify_pb2.DecodeRequest) -> Plan:
         """Validates a request (InvalidArgument naming the field) and resolves defaults."""
-        max_new = requests.check_max_new_tokens(request.max_new_tokens, self.limits.max_new_tokens)
+        context = self._model.max_positions
+        prompt = requests.check_prompt_ids(request.prompt_ids, self._model.vocab_size, context)
+        max_new = requests.check_max_new_tokens(request.max_new_tokens, self.limits.max_new_tokens, len(prompt), context)
         params = requests.sampling_params(request.sampling)
-        prompt = requests.check_prompt_ids(
-            request.prompt_ids, self._model.vocab_size, self._model.max_positions, max_new
-        )
         k = requests.check_num_draft_tokens(request.num_draft_tokens or NUM_DRAFT_TOKENS)
         seeded = request.sampling.HasField("seed")
         mode = request.speculation

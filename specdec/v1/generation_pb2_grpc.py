@@ -55,8 +55,9 @@ class GenerationServicer:
         """Generates a completion of the prompt, streaming text as rounds are verified.
         Errors: INVALID_ARGUMENT (a field, named in the message), RESOURCE_EXHAUSTED (every
         session slot and queue place taken, a session over its KV budget, or a message over
-        the size limit), UNAVAILABLE (the verify service is down or restarting, or the
-        service is shutting down), DEADLINE_EXCEEDED (the client's deadline), CANCELLED.
+        the size limit), UNAVAILABLE (the verify service is down or restarting, or did not
+        tell the gateway the target's context, or the service is shutting down),
+        DEADLINE_EXCEEDED (the client's deadline), CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
