@@ -67,8 +67,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         config: GatewayConfig,
         telemetry: Telemetry,
         drain: Drain,
+        log: logging.Logger,
     ) -> None:
         self._tokenizer = tokenizer
+        self._log = log
         self._prompts = prompts
         self._verify = verify
         self._limits = limits
@@ -92,6 +94,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except GeneratorExit:  # the client went away mid-stream
             set_error(span, grpc.StatusCode.CANCELLED, "the client cancelled the stream")
             raise
+        except Exception as err:
+            if context.code() is not None:  # _generate's own abort, with the status it chose
+                raise
+            # A bug: the trace and the log get its text, the client a short reason.
+            span.record_exception(err)
+            set_error(span, grpc.StatusCode.INTERNAL, repr(err))
+            self._log.exception("Generate failed (trace %s)", trace_id)
+            context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
+            context.abort(grpc.StatusCode.INTERNAL, f"the gateway failed: an internal error, logged under trace {trace_id}")
         finally:
             with self._lock:
                 self.streams -= 1
@@ -264,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verify = verify_pb2_grpc.VerifyStub(channel)
     limits = VerifyLimits(verify, config.verify, longest_token_bytes(tokenizer), config.max_prompt_bytes, log)
     service = Service("gateway", config.listen, config.workers, config.grace_s, config.max_message_bytes)
-    servicer = GenerationServicer(tokenizer, prompts, verify, limits, config, telemetry, service.drain)
+    servicer = GenerationServicer(tokenizer, prompts, verify, limits, config, telemetry, service.drain, log)
     service.add(
         generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
         lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),

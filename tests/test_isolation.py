@@ -8,15 +8,20 @@ and patient draft deadlines, since these tests assert when speculation runs.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from specdec.v1 import common_pb2, pairing_pb2
+from specdec.client import connect, generate
+from specdec.launcher import free_port
+from tests import faulty_gateway
 from tests.faulty_draft import FAULT_PROMPT, FAULT_TEXT
-from tests.helpers import request, run, verify_info
+from tests.helpers import request, run, verify_info, wait_for
 
 PROMPT = "def speculative_decode(prompt, draft, target, k=4):"
 OTHER_PROMPTS = [f"{PROMPT}\n    # step {i}: the draft guesses" for i in range(8)]
@@ -91,6 +96,32 @@ def test_a_failing_draft_session_fails_only_its_own_proposal(stack):
     assert FAULT_TEXT in stack.log_tail("draft", lines=200)
     # The next request with a healthy session speculates at once.
     assert speculated_throughout(run(stack, request(PROMPT, N)))
+
+
+def test_a_bug_in_the_gateway_answers_internal_without_its_text(stack, toy, tmp_path):
+    """A second gateway, with a bug injected in its tokenizing, in front of the same verify
+    service: the request gets INTERNAL with a short reason naming its trace; the log has
+    the exception; the next request is served."""
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "tests/faulty_gateway.py", "--listen", address]
+    command += ["--tokenizer", str(toy.target), "--verify", stack.config.verify_address]
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        gateway = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        channel, stub = connect(address)
+        with channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            with pytest.raises(grpc.RpcError) as failed:
+                generate(stub, request(faulty_gateway.FAULT_TEXT, 8), timeout=60)
+            assert failed.value.code() == grpc.StatusCode.INTERNAL
+            assert "internal error" in failed.value.details()
+            assert not any(word in failed.value.details() for word in (*PYTHON_WORDS, faulty_gateway.FAULT_TEXT))
+            assert len(generate(stub, request(PROMPT, 8), timeout=60).token_ids) == 8
+        wait_for(lambda: faulty_gateway.FAULT_TEXT in log.read_text(), "the gateway to log the exception")
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
 
 
 def seeded_requests() -> dict[str, object]:
