@@ -6,7 +6,6 @@ figures the client can act on; a gateway that cannot learn the context says why.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -203,9 +202,10 @@ def test_a_gateway_that_cannot_ask_the_verify_service_for_the_context_answers_un
             draft=str(toy.target),
             workdir=tmp_path_factory.mktemp("lone"),
             gateway_address=f"127.0.0.1:{free_port()}",
+            env=NO_EXPORT,
         )
     )
-    lone.start_service("gateway", {**os.environ, **NO_EXPORT})  # and no verify service
+    lone.start_service("gateway")  # and no verify service
     try:
         with grpc.insecure_channel(lone.config.gateway_address) as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
