@@ -172,7 +172,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         except Exception:
             session = getattr(step, "session_id", "")
             self._log.exception("%s of session %r failed", type(step).__name__, session)
-            raise Internal(f"the draft's {type(step).__name__.lower()} step failed: an internal error, logged under session {session!r}") from None
+            what = type(step).__name__.lower()
+            raise Internal(f"the draft's {what} step failed: an internal error, logged under session {session!r}") from None
 
     def _traced(
         self,

@@ -102,7 +102,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             set_error(span, grpc.StatusCode.INTERNAL, repr(err))
             self._log.exception("Generate failed (trace %s)", trace_id)
             context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
-            context.abort(grpc.StatusCode.INTERNAL, f"the gateway failed: an internal error, logged under trace {trace_id}")
+            reason = f"the gateway failed: an internal error, logged under trace {trace_id}"
+            context.abort(grpc.StatusCode.INTERNAL, reason)
         finally:
             with self._lock:
                 self.streams -= 1

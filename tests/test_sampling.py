@@ -143,7 +143,8 @@ def test_gumbel_noise_is_a_function_of_seed_and_position_alone():
 def test_coupled_choice_draws_from_the_warped_distribution_over_seeds():
     params = SamplingParams(temperature=0.8, top_k=4)
     want = warp(LOGITS, params)
-    draws = torch.tensor([int(coupled_choice(LOGITS, params, gumbel_noise(seed, 0, 1, 6)[0])) for seed in range(20_000)])
+    noises = (gumbel_noise(seed, 0, 1, 6)[0] for seed in range(20_000))
+    draws = torch.tensor([int(coupled_choice(LOGITS, params, noise)) for noise in noises])
     counts = torch.bincount(draws, minlength=6)
     assert counts[4:].tolist() == [0, 0]  # outside top-k: never
     assert (counts.double() / 20_000).tolist() == pytest.approx(want.tolist(), abs=0.015)

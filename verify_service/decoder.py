@@ -221,7 +221,8 @@ class Decoder:
         """Validates a request (InvalidArgument naming the field) and resolves defaults."""
         context = self._model.max_positions
         prompt = requests.check_prompt_ids(request.prompt_ids, self._model.vocab_size, context)
-        max_new = requests.check_max_new_tokens(request.max_new_tokens, self.limits.max_new_tokens, len(prompt), context)
+        limit = self.limits.max_new_tokens
+        max_new = requests.check_max_new_tokens(request.max_new_tokens, limit, len(prompt), context)
         params = requests.sampling_params(request.sampling)
         k = requests.check_num_draft_tokens(request.num_draft_tokens or NUM_DRAFT_TOKENS)
         seeded = request.sampling.HasField("seed")
