@@ -174,9 +174,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (diff / total).to(p.dtype)
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> RoundOutcome:
-    """Greedy verification. target_logits [k+1, V], draft_ids [k]."""
-    return verify_perturbed(target_logits.argmax(dim=-1), draft_ids.tolist())
+def verify_greedy(target_logits: torch.Tensor, draft_ids: Sequence[int]) -> RoundOutcome:
+    """Greedy verification. target_logits [k+1, V], k draft_ids."""
+    return verify_perturbed(target_logits.argmax(dim=-1), draft_ids)
 
 
 def verify_perturbed(best: torch.Tensor, draft_ids: Sequence[int]) -> RoundOutcome:
@@ -253,7 +253,7 @@ def verify_round(
     `noise` [k+1, V]: a seeded request's Gumbel vectors of those positions (coupled
     verification: the greedy rule on the perturbed warped log-probabilities)."""
     if params.greedy:
-        return verify_greedy(logits, torch.tensor(list(draft_ids), dtype=torch.long, device=logits.device))
+        return verify_greedy(logits, draft_ids)
     if noise is not None:
         return verify_perturbed(coupled_choice(logits, params, noise), draft_ids)
     return verify_sampled(warp(logits, params), draft_ids, support_ids, support_probs, generator)

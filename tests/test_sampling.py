@@ -56,10 +56,10 @@ def test_truncate_renormalises_the_top_support():
 
 def test_greedy_accepts_the_matching_prefix():
     logits = torch.eye(5)[[1, 2, 3, 4]]  # target argmax at positions 0..3: 1, 2, 3, 4
-    assert verify_greedy(logits, torch.tensor([1, 2, 3])) == RoundOutcome(3, 4)  # all accepted, bonus 4
-    outcome = verify_greedy(logits, torch.tensor([1, 0, 3]))
+    assert verify_greedy(logits, [1, 2, 3]) == RoundOutcome(3, 4)  # all accepted, bonus 4
+    outcome = verify_greedy(logits, [1, 0, 3])
     assert (outcome.accepted, outcome.token) == (1, 2)  # correction at the first mismatch
-    assert verify_greedy(logits[:1], torch.tensor([], dtype=torch.long)) == RoundOutcome(0, 1)  # target-only step
+    assert verify_greedy(logits[:1], []) == RoundOutcome(0, 1)  # target-only step
 
 
 def test_sampled_accepts_everything_when_the_draft_is_the_target():
