@@ -102,7 +102,7 @@ def test_doctors_floor_is_the_guides_acceptance_rate_at_the_default_k():
     k = NUM_DRAFT_TOKENS
     assert sum(ALPHA_FLOOR**i for i in range(1, k + 1)) / k == pytest.approx(ACCEPTANCE_FLOOR, abs=1e-6)
     assert expected_acceptance_rate(ALPHA_FLOOR, k) == pytest.approx(ACCEPTANCE_FLOOR, abs=1e-6)
-    # DESIGN.md's example: an acceptance rate of 0.6 at k = 4 is α̂ ≈ 0.8.
+    # docs/design.md's example: an acceptance rate of 0.6 at k = 4 is α̂ ≈ 0.8.
     assert alpha_for_acceptance_rate(0.6, 4) == pytest.approx(0.8, abs=0.01)
     # The same α̂ shows a lower acceptance rate to clients who ask for more draft tokens.
     assert expected_acceptance_rate(ALPHA_FLOOR, 8) < ACCEPTANCE_FLOOR < expected_acceptance_rate(ALPHA_FLOOR, 1)
