@@ -46,6 +46,19 @@ class Propose:
 
 
 @dataclass(frozen=True)
+class ProposeBatch:
+    """One step of every speculating session: they share each draft forward."""
+
+    sessions: list[Propose]
+
+
+@dataclass(frozen=True)
+class Proposals:
+    tokens: list[list[draft_pb2.DraftToken] | Exception]  # per session of the batch, in its order
+    shapes: list[tuple[int, int]]  # (sessions, positions) of each draft forward the batch ran
+
+
+@dataclass(frozen=True)
 class Close:
     session_id: str
 
@@ -71,8 +84,9 @@ class Drafter:
     # ran in either order): that open must not create a session nobody will close.
     closed_unopened: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
-    def execute(self, steps: list[Open | Propose | Close | Expire]) -> list[object]:
-        return run_each(steps, {Open: self.open, Propose: self.propose, Close: self.close, Expire: self.expire})
+    def execute(self, steps: list[Open | Propose | ProposeBatch | Close | Expire]) -> list[object]:
+        handlers = {Open: self.open, Propose: self.propose, ProposeBatch: self.propose_batch, Close: self.close, Expire: self.expire}
+        return run_each(steps, handlers)
 
     def open(self, step: Open) -> float:
         """Creates the session and prefills all but the last prompt token; returns seconds."""
@@ -105,6 +119,47 @@ class Drafter:
         return time.perf_counter() - start
 
     def propose(self, step: Propose) -> list[draft_pb2.DraftToken]:
+        """One session's proposal (a batch of one)."""
+        [tokens] = self.propose_batch(ProposeBatch([step])).tokens
+        if isinstance(tokens, Exception):
+            raise tokens
+        return tokens
+
+    def propose_batch(self, step: ProposeBatch) -> Proposals:
+        """Commits what the verifier kept of each session's last proposal, then proposes
+        each one's next tokens: forward j runs one position of every session whose k
+        exceeds j (more where a session catches up on tokens it missed). A session that
+        fails (unknown, a bad step, an error in its own sampling) gets its exception and
+        leaves the batch; the others go on."""
+        results: list[list[draft_pb2.DraftToken] | Exception] = [[] for _ in step.sessions]
+        proposing: list[tuple[int, DraftSession, Propose]] = []
+        for i, item in enumerate(step.sessions):
+            try:
+                proposing.append((i, self.commit(item), item))
+            except Exception as exc:
+                results[i] = exc
+        shapes: list[tuple[int, int]] = []
+        while proposing := [(i, s, item) for i, s, item in proposing if len(results[i]) < item.num_tokens]:  # type: ignore[arg-type]
+            caches = [session.cache for _, session, _ in proposing]
+            feeds = [session.tokens[session.cache.length :] for _, session, _ in proposing]
+            try:
+                logits = self.model.forward_batch(caches, feeds)
+            except Exception as exc:
+                for i, _, _ in proposing:
+                    results[i] = exc
+                break
+            shapes.append((len(feeds), sum(len(f) for f in feeds)))
+            for (i, session, _), session_logits in zip(proposing, logits):
+                try:
+                    results[i].append(self._choose(session, session_logits[-1]))  # type: ignore[union-attr]
+                except Exception as exc:
+                    results[i] = exc
+        self.proposals += len(step.sessions)
+        return Proposals(results, shapes)
+
+    def commit(self, step: Propose) -> DraftSession:
+        """Validates a session's step and commits what the verifier kept of its last
+        proposal: the cache keeps only positions still valid."""
         session = self.sessions.get(step.session_id)
         if session is None:
             if step.session_id in self.expired:
@@ -117,8 +172,6 @@ class Drafter:
             raise InvalidArgument(f"accepted: {step.accepted} exceeds the {proposed} tokens proposed last round")
         if step.num_tokens < 1:
             raise InvalidArgument("num_tokens: must be at least 1")
-
-        # Commit what the verifier kept; the cache keeps only positions still valid.
         kept = session.committed + step.accepted
         del session.tokens[kept:]
         session.tokens.extend(step.appended_ids)
@@ -128,23 +181,21 @@ class Drafter:
             raise FailedPrecondition(
                 f"{session.committed + step.num_tokens - 1} positions exceed the session's capacity of {session.cache.capacity}"
             )
+        return session
 
-        tokens: list[draft_pb2.DraftToken] = []
-        for _ in range(step.num_tokens):
-            logits = self.model.forward(session.cache, session.tokens[session.cache.length :])[-1]
-            position = len(session.tokens) - session.prompt_length
-            noise = coupling_noise(session.coupled_seed, session.params, position, 1, logits.shape[-1])
-            choice = propose_token(
-                logits, session.params, self.support_size, session.generator, None if noise is None else noise[0]
-            )
-            token = draft_pb2.DraftToken(id=choice.id, support_ids=choice.support_ids, support_probs=choice.support_probs)
-            session.tokens.append(token.id)
-            tokens.append(token)
-        self.proposals += 1
-        return tokens
+    def _choose(self, session: DraftSession, logits: torch.Tensor) -> draft_pb2.DraftToken:
+        """The session's next draft token from its logits at the last position."""
+        position = len(session.tokens) - session.prompt_length
+        noise = coupling_noise(session.coupled_seed, session.params, position, 1, logits.shape[-1])
+        choice = propose_token(logits, session.params, self.support_size, session.generator, None if noise is None else noise[0])
+        session.tokens.append(choice.id)
+        return draft_pb2.DraftToken(id=choice.id, support_ids=choice.support_ids, support_probs=choice.support_probs)
 
     def close(self, step: Close) -> bool:
-        existed = self.sessions.pop(step.session_id, None) is not None
+        session = self.sessions.pop(step.session_id, None)
+        existed = session is not None
+        if session is not None:
+            session.cache.release()
         if not existed and step.session_id not in self.expired:
             _remember(self.closed_unopened, step.session_id, None)
         return existed
@@ -155,7 +206,9 @@ class Drafter:
         idle = [sid for sid, s in self.sessions.items() if now - s.last_used > step.idle_s]
         self.expirations += len(idle)
         for sid in idle:
-            _remember(self.expired, sid, now - self.sessions.pop(sid).last_used)
+            session = self.sessions.pop(sid)
+            session.cache.release()
+            _remember(self.expired, sid, now - session.last_used)
         return idle
 
 

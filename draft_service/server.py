@@ -16,11 +16,11 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from draft_service.drafter import Close, Drafter, Expire, Open, Propose
+from draft_service.drafter import Close, Drafter, Expire, Open, Propose, ProposeBatch, Proposals
 from specdec import defaults
 from specdec.engine import Engine, EngineStopped
 from specdec.errors import Internal, ServiceError, Unavailable
-from specdec.facts import peer_facts
+from specdec.facts import kv_pool_info, peer_facts
 from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
 from specdec.host import HostProbe
@@ -29,13 +29,14 @@ from specdec.pairing import REFUSAL_FACTS_KEY, check_verifier, describe_host, tr
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams
 from specdec import span_attributes as attrs
-from specdec.metrics import SpeculationMetrics, observe_peak_memory, observe_sessions, proposal_duration
+from specdec.metrics import ForwardMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions, proposal_duration
 from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, from_traceparent, incoming, set_error
 from specdec.v1 import draft_pb2, draft_pb2_grpc, pairing_pb2
 
 SERVER = trace.SpanKind.SERVER
 MAX_PAIRINGS = 64  # pairing ids remembered (one per verify-service connection)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class DraftConfig:
     model: str = option(defaults.DEFAULT_DRAFT, "draft model: local directory or hub id")
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
-    backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
+    backend: str = option("auto", "forward implementation: auto, batched or transformers")
+    kv_pool_tokens: int = option(0, "tokens of the draft's KV pool, preallocated; 0: the context times 8, at most 1 GiB")
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
     max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
     session_idle_s: float = option(60.0, "close a session that gets no proposal call for this many seconds; 0: never")
@@ -77,6 +79,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._tracer = telemetry.tracer
         self._metrics = SpeculationMetrics(telemetry.meter)
         self._proposal_duration = proposal_duration(telemetry.meter)
+        self._forwards = ForwardMetrics(telemetry.meter)
         self._engine = engine
         self._model_name = model_name
         self._step_time_s = step_time_s
@@ -120,16 +123,62 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         prefill_seconds, _ = self._traced(attrs.DRAFT_PREFILL, step, incoming(context), context, attributes)
         return draft_pb2.OpenSessionResponse(prefill_time_us=int(prefill_seconds * 1e6))
 
-    def Propose(self, requests: Iterator[draft_pb2.ProposeRequest], context: grpc.ServicerContext):
+    def ProposeBatch(self, requests: Iterator[draft_pb2.ProposeBatchRequest], context: grpc.ServicerContext):
         for request in requests:
-            step = Propose(request.session_id, request.accepted, list(request.appended_ids), request.num_tokens)
-            attributes = {"specdec.draft.num_tokens": request.num_tokens, "specdec.draft.previous_accepted": request.accepted}
-            parent = from_traceparent(request.traceparent)
-            tokens, seconds = self._traced(attrs.DRAFT_PROPOSE, step, parent, context, attributes)
+            items = [Propose(r.session_id, r.accepted, list(r.appended_ids), r.num_tokens) for r in request.sessions]
+            start = time.perf_counter()
+            try:
+                proposals: Proposals = self._engine.run(ProposeBatch(items))
+            except EngineStopped:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the draft service is shutting down")
+            seconds = time.perf_counter() - start
+            answers = [self._answer(r, tokens) for r, tokens in zip(request.sessions, proposals.tokens)]
+            self._trace(request, answers, seconds, len(proposals.shapes))
+            self._proposal_duration.record(seconds)
+            for sessions, positions in proposals.shapes:
+                self._forwards.record(sessions, positions)
+            yield draft_pb2.ProposeBatchResponse(
+                sessions=answers, compute_time_us=int(seconds * 1e6), forwards=len(proposals.shapes)
+            )
+
+    def _answer(self, request: draft_pb2.ProposeRequest, tokens: list | Exception) -> draft_pb2.SessionProposal:
+        """A session's part of a batch's answer. An unexpected exception fails that session
+        alone: logged here with its session id, INTERNAL with a short reason to the caller
+        (the verify service keeps the pairing and other sessions keep speculating)."""
+        answer = draft_pb2.SessionProposal(session_id=request.session_id)
+        if isinstance(tokens, ServiceError):
+            answer.status, answer.detail = tokens.code.value[0], str(tokens)
+        elif isinstance(tokens, Exception):
+            self._log.error("the proposal of session %r failed", request.session_id, exc_info=tokens)
+            answer.status = grpc.StatusCode.INTERNAL.value[0]
+            answer.detail = f"the draft's proposal failed: an internal error, logged under session {request.session_id!r}"
+        else:
+            answer.tokens.extend(tokens)
             # The verifier reports acceptance one proposal late: `accepted` is the previous one's.
             self._metrics.speculated(request.num_tokens, request.accepted)
-            self._proposal_duration.record(seconds)
-            yield draft_pb2.ProposeResponse(tokens=tokens, compute_time_us=int(seconds * 1e6))
+        return answer
+
+    def _trace(
+        self, request: draft_pb2.ProposeBatchRequest, answers: list[draft_pb2.SessionProposal], seconds: float, forwards: int
+    ) -> None:
+        """A draft.propose span per session, the child of that session's round span."""
+        end = time.time_ns()
+        start = end - int(seconds * 1e9)
+        for r, answer in zip(request.sessions, answers):
+            attributes = {
+                "specdec.draft.num_tokens": r.num_tokens,
+                "specdec.draft.previous_accepted": r.accepted,
+                "specdec.batch.sessions": len(request.sessions),
+                "specdec.batch.forwards": forwards,
+                "specdec.compute_us": int(seconds * 1e6),
+            }
+            span = self._tracer.start_span(
+                attrs.DRAFT_PROPOSE, context=from_traceparent(r.traceparent), kind=SERVER, attributes=attributes,
+                start_time=start,
+            )  # fmt: skip
+            if answer.status:
+                set_error(span, _CODES[answer.status], answer.detail)
+            span.end(end_time=end)
 
     def CloseSession(self, request: draft_pb2.CloseSessionRequest, context: grpc.ServicerContext):
         return draft_pb2.CloseSessionResponse(existed=self._run(Close(request.session_id), context))
@@ -151,6 +200,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             max_sessions=self._drafter.max_sessions,
             session_idle_s=self._idle_s,
             expired_sessions=self._drafter.expirations,
+            kv_pool=kv_pool_info(model),
+            runtime_detail=model.unbatched_reason or "",
         )
 
     def _run(self, step: object, context: grpc.ServicerContext):
@@ -213,7 +264,9 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-draft", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens))
+    if model.unbatched_reason:
+        log.warning("the draft runs one session per forward (transformers path): %s", model.unbatched_reason)
     step_time_s = model.step_time_s()
     drafter = Drafter(model, config.support_size, config.max_sessions)
     engine = Engine(drafter.execute, "draft-engine", inline=torch.get_num_threads() == 1)

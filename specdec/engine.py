@@ -28,7 +28,7 @@ _STOP = object()
 _this_thread = threading.local()
 
 
-def _pin_torch_threads() -> None:
+def pin_torch_threads() -> None:
     """torch.set_num_threads reaches OpenMP and MKL only on the thread that calls it: a
     model run on another thread (the engine's, a gRPC handler's) multiplies its matrices
     on every core. Measured here: a 1-thread setting, 256x1024x4096 matmul, 29 ms on the
@@ -122,7 +122,7 @@ class Engine(Generic[Step]):
                 future.set_result(result)
 
     def _results(self, steps: list[Step]) -> list[object]:
-        _pin_torch_threads()
+        pin_torch_threads()
         try:
             return self._execute(steps)
         except BaseException as exc:  # a bug in execute must not strand the waiters

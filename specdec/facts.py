@@ -1,10 +1,10 @@
-"""What a model service states about itself in the pairing handshake."""
+"""What a model service states about itself: in the pairing handshake and in Info."""
 
 from __future__ import annotations
 
 from specdec.host import HostProbe
 from specdec.runtime import CausalLM
-from specdec.v1 import pairing_pb2
+from specdec.v1 import common_pb2, pairing_pb2
 
 
 def model_facts(model: CausalLM, name: str) -> pairing_pb2.ModelFacts:
@@ -42,4 +42,17 @@ def peer_facts(
         model=model_facts(model, name),
         tokenizer=tokenizer,
         memory=memory_facts(model, probe, kv_budget_bytes),
+    )
+
+
+def kv_pool_info(model: CausalLM) -> common_pb2.KVPoolInfo:
+    """The model's KV pool as Info reports it; empty on the one-session transformers path."""
+    stats = model.pool_stats()
+    if stats is None:
+        return common_pb2.KVPoolInfo()
+    return common_pb2.KVPoolInfo(
+        capacity_tokens=stats.capacity_tokens,
+        reserved_tokens=stats.reserved_tokens,
+        used_tokens=stats.used_tokens,
+        bytes=stats.bytes,
     )

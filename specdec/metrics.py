@@ -125,3 +125,30 @@ def proposal_duration(meter: Meter) -> Histogram:
         description="wall time of one proposal inside the draft service",
         explicit_bucket_boundaries_advisory=ROUND_SECONDS,
     )
+
+
+# Sessions and positions per forward: powers of two up to the largest batches served.
+BATCH_SESSIONS = [1, 2, 4, 8, 16, 32, 64, 128]
+BATCH_POSITIONS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+class ForwardMetrics:
+    """How many sessions and positions shared each model forward: what batching achieved."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.sessions = meter.create_histogram(
+            "specdec.forward.sessions",
+            unit="{session}",
+            description="sessions whose positions shared one model forward",
+            explicit_bucket_boundaries_advisory=BATCH_SESSIONS,
+        )
+        self.positions = meter.create_histogram(
+            "specdec.forward.positions",
+            unit="{position}",
+            description="positions one model forward ran, over all of its sessions",
+            explicit_bucket_boundaries_advisory=BATCH_POSITIONS,
+        )
+
+    def record(self, sessions: int, positions: int) -> None:
+        self.sessions.record(sessions)
+        self.positions.record(positions)

@@ -31,6 +31,7 @@ class ModelSpec:
     device: str = "cpu"
     dtype: str = "float32"  # one of DTYPES
     backend: str = "auto"  # one of BACKENDS; auto = static-gpt2 where the model allows it
+    pool_tokens: int = 0  # tokens of the KV pool; 0: a default
 
 
 class KVCache:
@@ -50,6 +51,9 @@ class KVCache:
             self.state.crop(length - self.length)
         # A static cache keeps its buffers: positions past `length` are overwritten later.
         self.length = length
+
+    def release(self) -> None:
+        """Frees the session's memory (a pooled reservation); idempotent."""
 
     def nbytes(self) -> int:
         """Memory held by the keys and values."""
@@ -142,6 +146,20 @@ class CausalLM:
         cache.length += len(ids)
         self.forwards += 1
         return logits.float()
+
+    def forward_batch(self, caches: Sequence[KVCache], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """forward() of many sessions; each session's logits [len(ids), V]."""
+        self.last_batch = (len(caches), sum(len(i) for i in ids))
+        return [self.forward(cache, i) for cache, i in zip(caches, ids)]
+
+    def fits(self, tokens: int) -> bool:
+        return tokens <= self.max_positions
+
+    def pool_stats(self) -> None:
+        return None
+
+    unbatched_reason: str | None = None
+    last_batch: tuple[int, int] = (0, 0)
 
     def step_time_s(self, repeats: int = 15) -> float:
         """Median wall time of one single-token forward with a warm cache."""

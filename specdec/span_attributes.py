@@ -94,6 +94,8 @@ def round_stats(stats: common_pb2.RoundStats, emitted: int, running_acceptance: 
         "specdec.round.draft_time_us": stats.draft_time_us,
         "specdec.round.draft_compute_us": stats.draft_compute_us,
         "specdec.round.verify_time_us": stats.verify_time_us,
+        "specdec.batch.sessions": stats.batch_sessions,
+        "specdec.batch.positions": stats.batch_positions,
         "specdec.acceptance_rate.running": running_acceptance,
     }
 

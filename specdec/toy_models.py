@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -100,4 +100,43 @@ def foreign_tokenizer_copy(src: Path, out_dir: Path) -> Path:
     a, b = sorted(vocab, key=vocab.get)[-2:]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     path.write_text(json.dumps(spec, ensure_ascii=False))
+    return out_dir
+
+
+def build_llama(out_dir: Path, tokenizer: PreTrainedTokenizerFast, seed: int, layers: int = 4) -> Path:
+    """A randomly initialised Llama-3-style model saved with its tokenizer: grouped-query
+    attention (4 query heads, 2 key/value heads), llama3 rope scaling, untied embeddings."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def truncated_copy(src: Path, out_dir: Path, layers: int) -> Path:
+    """The model at src keeping only its first `layers` decoder layers (a draft made by
+    cutting the target short: same embeddings and head)."""
+    model = AutoModelForCausalLM.from_pretrained(src)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out_dir / name)
     return out_dir

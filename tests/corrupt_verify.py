@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import sys
 
-from verify_service import server
-from verify_service.verifier import Verified, Verifier, Verify
+import torch
 
-_verify = Verifier.verify
+from verify_service import server
+from verify_service.verifier import TargetSession, Verified, Verifier, Verify
+
+_conclude = Verifier.conclude
 _rounds = 0
 
 
-def corrupted_verify(self: Verifier, step: Verify) -> Verified:
+def corrupted_conclude(
+    self: Verifier, session: TargetSession, step: Verify, logits: torch.Tensor, forward_s: float
+) -> Verified:
     global _rounds
-    verified = _verify(self, step)
+    verified = _conclude(self, session, step, logits, forward_s)
     if step.draft.ids and verified.accepted:
         _rounds += 1
         if _rounds % 5 == 0:
@@ -28,5 +32,5 @@ def corrupted_verify(self: Verifier, step: Verify) -> Verified:
 
 
 if __name__ == "__main__":
-    Verifier.verify = corrupted_verify
+    Verifier.conclude = corrupted_conclude
     sys.exit(server.main())

@@ -15,16 +15,16 @@ from draft_service.drafter import Drafter, Propose
 FAULT_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 FAULT_TEXT = "injected fault: this text must never reach a client"
 
-_propose = Drafter.propose
+_commit = Drafter.commit
 
 
-def faulty_propose(self: Drafter, step: Propose) -> object:
+def faulty_commit(self: Drafter, step: Propose) -> object:
     session = self.sessions.get(step.session_id)
     if session is not None and session.tokens[: len(FAULT_PROMPT)] == FAULT_PROMPT:
         raise RuntimeError(FAULT_TEXT)
-    return _propose(self, step)
+    return _commit(self, step)
 
 
 if __name__ == "__main__":
-    Drafter.propose = faulty_propose
+    Drafter.commit = faulty_commit
     sys.exit(server.main())

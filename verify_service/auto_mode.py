@@ -127,13 +127,18 @@ class ServedCosts:
 class ServiceAuto:
     """The service's side of AUTO: the policy, the running costs and the α̂ prior."""
 
-    def __init__(self, policy: AutoPolicy, forward_s: dict[int, float]) -> None:
+    def __init__(self, policy: AutoPolicy, forward_s: dict[int, float] | None = None) -> None:
+        """forward_s: the target's calibrated forward seconds by positions (or later, by
+        `calibrate`, before the first request)."""
         self.policy = policy
-        self.greedy = ServedCosts(forward_s)
-        self.sampled = ServedCosts(forward_s)
+        self.calibrate(forward_s or {})
         self._lock = threading.Lock()
         self._accepted = 0.0
         self._rejected = 0.0
+
+    def calibrate(self, forward_s: dict[int, float]) -> None:
+        self.greedy = ServedCosts(forward_s)
+        self.sampled = ServedCosts(forward_s)
 
     def costs(self, greedy: bool) -> ServedCosts:
         return self.greedy if greedy else self.sampled

@@ -24,6 +24,7 @@ from verify_service.verifier import DraftProposal
 
 
 RETRY_S = 1.0
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 # Answers that put the draft itself in doubt: it does not answer, or no longer knows this
@@ -229,23 +230,23 @@ class DraftClient:
         sampling: common_pb2.SamplingParams,
         max_tokens: int,
         metadata: Metadata,
-        deadline: float | None,
+        on_done: Callable[[], None],
     ) -> DraftSession:
         """Starts the draft's prefill without waiting for it (the target prefills meanwhile);
-        metadata carries the request's trace context; no draft call outlives `deadline`
-        (the request's, monotonic seconds)."""
+        metadata carries the request's trace context; on_done runs when it completed."""
         with self._lock:
             pairing_id = self._pairing_id
         request = draft_pb2.OpenSessionRequest(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
             pairing_id=pairing_id,
         )  # fmt: skip
-        session = DraftSession(self, session_id, deadline)
-        timeout = session.within_deadline(self.deadlines.open_s)
-        session.opening = self._stub.OpenSession.future(request, timeout=timeout, metadata=metadata)
+        session = DraftSession(self, session_id)
+        session.opening = self._stub.OpenSession.future(request, timeout=self.deadlines.open_s, metadata=metadata)
+        session.opening.add_done_callback(lambda _: on_done())
         return session
 
     def round_deadline_s(self, num_tokens: int) -> float:
+        """Seconds a step's proposal of num_tokens draft forwards may take."""
         with self._lock:
             per_token = self._seconds_per_token
         if per_token is None:
@@ -273,117 +274,147 @@ class DraftClient:
         self._channel.close()
 
 
-class DraftSession:
-    """One request's draft session: its OpenSession call, then one Propose stream that
-    carries every round. Not shared between threads (but `interrupt` may come from any)."""
+@dataclass(frozen=True)
+class SessionRound:
+    """One session's part of a step's batch proposal."""
 
-    def __init__(self, client: DraftClient, session_id: str, deadline: float | None) -> None:
+    session: DraftSession
+    num_tokens: int  # k
+    traceparent: str  # W3C traceparent of the session's round span (the draft's span's parent)
+
+
+class ProposalLink:
+    """The one ProposeBatch stream to the draft: a message pair per step carries every
+    speculating session's round. Used by the verify service's round thread only (but
+    `interrupt` may come from any thread). A stream that failed or missed a step's
+    deadline is dropped; the next step opens a new one."""
+
+    def __init__(self, client: DraftClient) -> None:
+        self._client = client
+        self._requests: queue.SimpleQueue[draft_pb2.ProposeBatchRequest | None] | None = None
+        self._stream: Any = None
+        self._timed_out = False  # the step's deadline passed
+        self._interrupted = False  # the caller stopped waiting (its requests ended, shutdown)
+
+    def propose(self, rounds: Sequence[SessionRound]) -> tuple[list[DraftProposal | DraftLost], float]:
+        """Every session's proposal (or why that session lost its draft) and the draft's own
+        compute seconds for the batch; raises DraftLost when the draft failed them all."""
+        if self._stream is None:
+            self._requests = queue.SimpleQueue()
+            self._stream = self._client._stub.ProposeBatch(iter(self._requests.get, None))
+            self._timed_out = self._interrupted = False
+        request = draft_pb2.ProposeBatchRequest(sessions=[r.session.next_request(r.num_tokens, r.traceparent) for r in rounds])
+        # A session catching up after target-only rounds feeds the tokens it missed first:
+        # one more forward, longer than a step, allowed for as if a step each.
+        steps = max(r.num_tokens + r.session.catch_up for r in rounds)
+        started = time.perf_counter()
+        self._requests.put(request)
+        stream = self._stream
+        alarm = self._client.watchdog.arm(self._client.round_deadline_s(steps), self._expire)
+        try:
+            response = next(stream)
+        except StopIteration:
+            self._drop()
+            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal stream ended early") from None
+        except grpc.RpcError as error:
+            timed_out, interrupted = self._timed_out, self._interrupted
+            self._drop()
+            if timed_out:
+                raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, "draft proposal missed its deadline") from None
+            if interrupted:
+                raise DraftLost.cancelled("proposal") from None
+            raise DraftLost.from_rpc(error, "proposal") from None
+        finally:
+            self._client.watchdog.disarm(alarm)
+        self._client.observe(steps, time.perf_counter() - started)
+        results: list[DraftProposal | DraftLost] = []
+        for r, answer in zip(rounds, response.sessions):
+            if answer.status:
+                code = _STATUS[answer.status]
+                results.append(DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, f"draft proposal failed: {code.name}: {answer.detail}", unpairs=False))
+                continue
+            tokens = answer.tokens
+            results.append(
+                DraftProposal(
+                    ids=[t.id for t in tokens],
+                    support_ids=[list(t.support_ids) for t in tokens],
+                    support_probs=[list(t.support_probs) for t in tokens],
+                )
+            )
+        return results, response.compute_time_us / 1e6
+
+    def _expire(self) -> None:
+        """A step's deadline passed (the watchdog's thread)."""
+        self._timed_out = True
+        self._cancel()
+
+    def interrupt(self) -> None:
+        """Stops waiting on the draft: the requests waiting ended, or the service shuts
+        down. The pairing stands."""
+        self._interrupted = True
+        self._cancel()
+
+    def _cancel(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def _drop(self) -> None:
+        if self._requests is not None:
+            self._requests.put(None)
+        if self._stream is not None:
+            self._stream.cancel()
+        self._stream = self._requests = None
+
+    def close(self) -> None:
+        self._drop()
+
+
+class DraftSession:
+    """One request's draft session: its OpenSession call, what the verifier kept since the
+    last proposal, and its CloseSession. Its rounds travel in the ProposalLink's batches."""
+
+    def __init__(self, client: DraftClient, session_id: str) -> None:
         self._client = client
         self._stub = client._stub
         self.session_id = session_id
-        self._deadline = deadline
-        self.opening: grpc.Future | None = None  # the OpenSession call, until its first proposal
-        self._requests: queue.SimpleQueue[draft_pb2.ProposeRequest | None] = queue.SimpleQueue()
-        self._stream: Any = None  # the Propose stream (a grpc call and response iterator), from the first round
+        self.opening: grpc.Future | None = None  # the OpenSession call, until it completed
         self._accepted = 0
         self._appended: list[int] = []
         self._closed = False
-        self._interrupted = False  # sticky: an interrupt between two rounds still stops the next
-        self._timed_out = False  # the watchdog cancelled the stream at a round's deadline
-        self._alarm: int | None = None  # the watchdog's alarm of the proposal asked for, until received
-        self._num_tokens = 0  # of the proposal asked for
-        self._requested_at = 0.0
 
     @property
-    def requested(self) -> bool:
-        """A proposal was asked for and not received yet."""
-        return self._alarm is not None
+    def opened(self) -> bool:
+        """The draft's prefill is done (or failed: `check_open` says)."""
+        return self.opening is None or self.opening.done()
 
-    def request(self, num_tokens: int, traceparent: str) -> None:
-        """Asks for the next num_tokens draft tokens without waiting for them (the first
-        request waits for the session's prefill); raises DraftLost. traceparent names the
-        round's span (the parent of the draft's)."""
-        if self._interrupted:
-            raise DraftLost.cancelled("proposal")
-        if self.opening is not None:
-            self._wait(self.opening, "prefill")
-            self.opening = None
-        if self._stream is None:
-            self._stream = self._stub.Propose(iter(self._requests.get, None), timeout=self.within_deadline(None))
-            if self._interrupted:  # it landed while the stream was being opened
-                self._stream.cancel()
+    def check_open(self) -> None:
+        """Raises DraftLost when the session's OpenSession failed; call once `opened`."""
+        if self.opening is None:
+            return
+        try:
+            self.opening.result()
+        except grpc.FutureCancelledError:
+            raise DraftLost.cancelled("prefill") from None
+        except grpc.RpcError as error:
+            raise DraftLost.from_rpc(error, "prefill") from None
+        finally:
+            if self.opening.done():
+                self.opening = None
+
+    @property
+    def catch_up(self) -> int:
+        """Extra draft forwards the next proposal takes for tokens the draft missed."""
+        return max(0, len(self._appended) - 1)
+
+    def next_request(self, num_tokens: int, traceparent: str) -> draft_pb2.ProposeRequest:
+        """The session's part of the next batch: what was kept, then k more."""
         request = draft_pb2.ProposeRequest(
             session_id=self.session_id, accepted=self._accepted, appended_ids=self._appended, num_tokens=num_tokens,
             traceparent=traceparent,
         )  # fmt: skip
-        # After target-only rounds the draft first feeds the tokens it missed: one more
-        # forward, longer than a step, that the deadline allows for as if a step each.
-        catch_up = max(0, len(self._appended) - 1)
         self._accepted, self._appended = 0, []
-        self._num_tokens = num_tokens
-        self._requested_at = time.perf_counter()
-        self._requests.put(request)
-        deadline = self.within_deadline(self._client.round_deadline_s(num_tokens + catch_up))
-        self._alarm = self._client.watchdog.arm(deadline, self._expire)
-
-    def receive(self) -> tuple[DraftProposal, float]:
-        """The proposal asked for and the draft's own compute seconds; raises DraftLost."""
-        try:
-            response = self._next()
-        finally:
-            self._client.watchdog.disarm(self._alarm)
-            self._alarm = None
-        end = time.perf_counter()
-        self._client.observe(self._num_tokens, end - self._requested_at)
-        tokens = response.tokens
-        proposal = DraftProposal(
-            ids=[t.id for t in tokens],
-            support_ids=[list(t.support_ids) for t in tokens],
-            support_probs=[list(t.support_probs) for t in tokens],
-        )
-        return proposal, response.compute_time_us / 1e6
-
-    def _next(self) -> draft_pb2.ProposeResponse:
-        try:
-            return next(self._stream)
-        except StopIteration:
-            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal stream ended early") from None
-        except grpc.RpcError as error:
-            if self._timed_out:
-                raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, "draft proposal missed its deadline") from None
-            if self._interrupted:
-                raise DraftLost.cancelled("proposal") from None
-            raise DraftLost.from_rpc(error, "proposal") from None
-
-    def _expire(self) -> None:
-        """The round's deadline passed (the watchdog's thread)."""
-        self._timed_out = True
-        self._stream.cancel()
-
-    @staticmethod
-    def _wait(call: grpc.Future, during: str) -> object:
-        try:
-            return call.result()
-        except grpc.FutureCancelledError:
-            raise DraftLost.cancelled(during) from None
-        except grpc.RpcError as error:
-            raise DraftLost.from_rpc(error, during) from None
-
-    def interrupt(self) -> None:
-        """Cancels the draft call this session waits on, if any: its request has ended
-        (cancelled, past its deadline), and must not wait out a stalled draft's deadline.
-        Called from another thread."""
-        self._interrupted = True
-        for call in (self.opening, self._stream):
-            if call is not None:
-                call.cancel()
-
-    def within_deadline(self, timeout_s: float | None) -> float | None:
-        """timeout_s (None: none), cut to what is left of the request's deadline."""
-        if self._deadline is None:
-            return timeout_s
-        left = max(0.0, self._deadline - time.monotonic())
-        return left if timeout_s is None else min(timeout_s, left)
+        return request
 
     def commit(self, accepted: int, closing_token: int) -> None:
         """Records what the verifier kept of the last proposal; sent with the next request."""
@@ -399,10 +430,8 @@ class DraftSession:
         if self._closed:
             return
         self._closed = True
-        if self._stream is not None:
-            self._stream.cancel()  # frees the draft's handler thread now, whatever state the stream is in
         opening, self.opening = self.opening, None
-        if opening is None:
+        if opening is None or opening.done():
             self._send_close()
         else:  # a request that ended before its first proposal: close after the open, not before
             self._client.keep_until_done(opening)

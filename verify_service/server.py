@@ -10,16 +10,15 @@ import grpc
 import torch
 
 from specdec import defaults
-from specdec.engine import Engine
 from specdec.errors import ServiceError
-from specdec.facts import peer_facts
+from specdec.facts import kv_pool_info, peer_facts
 from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
 from specdec.host import HostProbe
 from specdec.pairing import PairingPolicy, base_record
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.costs import forward_seconds
-from specdec.metrics import ModeMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions
+from specdec.metrics import ForwardMetrics, ModeMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions
 from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
@@ -27,9 +26,10 @@ from specdec.idle import IdleSweeper
 from specdec.requests import SPECULATION_MODES
 from verify_service.admission import Limits
 from verify_service.auto_mode import AutoPolicy, ServiceAuto
-from verify_service.decoder import DecodeLimits, Decoder, Instruments, session_kv_budget
+from verify_service.decoder import DecodeLimits, Decoder, session_kv_budget
+from verify_service.round_telemetry import Instruments
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
-from verify_service.verifier import Calibrate, Verifier
+from verify_service.verifier import Verifier
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,12 @@ class VerifyConfig:
     draft: str = option(defaults.DRAFT_ADDRESS, "draft service address (unix:///path or host:port); empty for none")
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
-    backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
+    backend: str = option("auto", "forward implementation: auto, batched or transformers")
+    kv_pool_tokens: int = option(
+        0, "tokens of the target's KV pool, preallocated (each request reserves prompt, max_new_tokens and a "
+        "proposal's look-ahead); 0: the context times 8, at most 1 GiB"
+    )
+    prefill_chunk_tokens: int = option(256, "most prompt positions prefilled per forward, beside the decoding requests' rounds")
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
     speculation: str = option("auto", "speculation mode of a request that names none: auto, on or off")
     auto_min_new_tokens: int = option(32, "AUTO mode: requests with max_new_tokens at most this run target-only")
@@ -100,6 +105,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
             draft_tokens_proposed=totals.proposed,
             draft_tokens_accepted=totals.accepted,
             runtime=model.backend,
+            runtime_detail=model.unbatched_reason or "",
+            kv_pool=kv_pool_info(model),
+            prefill_chunk_tokens=self._decoder.limits.prefill_chunk_tokens,
             pairing=self._pairing(),
             max_sessions=self._decoder.limits.admission.max_sessions,
             recent=self._decoder.recent(request.recent_requests),
@@ -126,7 +134,9 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens))
+    if model.unbatched_reason:
+        log.warning("the target runs one session per forward (transformers path): %s", model.unbatched_reason)
     tokenizer = load_fingerprint(config.model)
     limits = DecodeLimits(
         max_new_tokens=config.max_new_tokens_limit,
@@ -134,6 +144,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         default_mode=SPECULATION_MODES[config.speculation],
         session_kv_bytes=int(config.session_kv_mib * 2**20),
         idle_s=config.session_idle_s,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
     service = Service("verify", config.listen, config.workers, config.grace_s)
     kv_budget = config.max_sessions * session_kv_budget(model, limits.session_kv_bytes)
@@ -142,18 +153,8 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         return peer_facts(model, config.model, tokenizer, probe, kv_budget)
 
     verifier = Verifier(model)
-    engine = Engine(verifier.execute, "verify-engine")
     policy = AutoPolicy(min_new_tokens=config.auto_min_new_tokens)
-    positions = range(1, policy.k_max + 2)
-    started = time.perf_counter()
-    forward_s = engine.run(Calibrate(lambda: forward_seconds(model, positions)))
-    auto = ServiceAuto(policy, forward_s)
-    log.info(
-        "measured the target's forward over 1..%d positions for AUTO mode in %.2f s (ms: %s)",
-        positions[-1],
-        time.perf_counter() - started,
-        " ".join(f"{n}:{s * 1e3:.2f}" for n, s in forward_s.items()),
-    )
+    auto = ServiceAuto(policy)
     draft = None
     if config.draft:
         deadlines = DraftDeadlines(
@@ -161,8 +162,8 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
             floor_s=config.draft_deadline_min_ms / 1e3,
             open_s=config.draft_open_timeout_ms / 1e3,
         )
-        policy = PairingPolicy(config.require_nvlink, config.allow_different_tokenizer, config.allow_memory_pressure)
-        draft = DraftClient(config.draft, deadlines, own_facts, policy, log)
+        pairing_policy = PairingPolicy(config.require_nvlink, config.allow_different_tokenizer, config.allow_memory_pressure)
+        draft = DraftClient(config.draft, deadlines, own_facts, pairing_policy, log)
         try:
             # Pair before serving, so that the first request speculates (services started
             # together come up together); a draft that is not up yet is asked again later.
@@ -182,8 +183,21 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         record.detail = "no draft service is configured (--draft is empty)"
         return record
 
-    instruments = Instruments(telemetry.tracer, SpeculationMetrics(telemetry.meter), ModeMetrics(telemetry.meter), config.model)
-    decoder = Decoder(engine, model, draft, limits, instruments, auto, service.drain, log)
+    instruments = Instruments(
+        telemetry.tracer, SpeculationMetrics(telemetry.meter), ModeMetrics(telemetry.meter),
+        ForwardMetrics(telemetry.meter), config.model,
+    )  # fmt: skip
+    decoder = Decoder(verifier, draft, limits, instruments, auto, service.drain, log)
+    positions = range(1, policy.k_max + 2)
+    started = time.perf_counter()
+    forward_s = decoder.loop.call(lambda: forward_seconds(model, positions))
+    auto.calibrate(forward_s)
+    log.info(
+        "measured the target's forward over 1..%d positions for AUTO mode in %.2f s (ms: %s)",
+        positions[-1],
+        time.perf_counter() - started,
+        " ".join(f"{n}:{s * 1e3:.2f}" for n, s in forward_s.items()),
+    )
     sweeper = IdleSweeper(config.session_idle_s, decoder.expire_idle, "verify-idle")
     observe_sessions(telemetry.meter, lambda: decoder.admission.active, "requests being decoded")
     observe_peak_memory(telemetry.meter, model.device)
@@ -205,7 +219,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     log.info("shutting down")
     service.stop()
     sweeper.stop()
-    engine.stop()
+    decoder.loop.stop()
     if draft is not None:
         draft.close()
     telemetry.shutdown(config.grace_s)

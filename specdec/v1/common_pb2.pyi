@@ -89,7 +89,7 @@ class Speculation(_message.Message):
     def __init__(self, speculating: _Optional[bool] = ..., reason: _Optional[_Union[TargetOnlyReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us", "mode", "auto_choice", "expected_gain", "alpha_estimate")
+    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us", "mode", "auto_choice", "expected_gain", "alpha_estimate", "batch_sessions", "batch_positions")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,8 @@ class RoundStats(_message.Message):
     AUTO_CHOICE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GAIN_FIELD_NUMBER: _ClassVar[int]
     ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     draft_tokens: int
     accepted_tokens: int
@@ -112,7 +114,21 @@ class RoundStats(_message.Message):
     auto_choice: AutoChoice
     expected_gain: float
     alpha_estimate: float
-    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ..., mode: _Optional[_Union[SpeculationMode, str]] = ..., auto_choice: _Optional[_Union[AutoChoice, str]] = ..., expected_gain: _Optional[float] = ..., alpha_estimate: _Optional[float] = ...) -> None: ...
+    batch_sessions: int
+    batch_positions: int
+    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ..., mode: _Optional[_Union[SpeculationMode, str]] = ..., auto_choice: _Optional[_Union[AutoChoice, str]] = ..., expected_gain: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_positions: _Optional[int] = ...) -> None: ...
+
+class KVPoolInfo(_message.Message):
+    __slots__ = ("capacity_tokens", "reserved_tokens", "used_tokens", "bytes")
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    capacity_tokens: int
+    reserved_tokens: int
+    used_tokens: int
+    bytes: int
+    def __init__(self, capacity_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "rejections", "acceptance_rate", "alpha_hat")

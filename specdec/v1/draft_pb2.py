@@ -26,7 +26,7 @@ from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.v1 import pairing_pb2 as specdec_dot_v1_dot_pairing__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x18specdec/v1/pairing.proto\"\x92\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\npairing_id\x18\x05 \x01(\t\".\n\x13OpenSessionResponse\x12\x17\n\x0fprefill_time_us\x18\x01 \x01(\x04\"u\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x14\n\x0c\x61ppended_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"D\n\nDraftToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x13\n\x0bsupport_ids\x18\x02 \x03(\x05\x12\x15\n\rsupport_probs\x18\x03 \x03(\x02\"R\n\x0fProposeResponse\x12&\n\x06tokens\x18\x01 \x03(\x0b\x32\x16.specdec.v1.DraftToken\x12\x17\n\x0f\x63ompute_time_us\x18\x02 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x12\n\x10\x44raftInfoRequest\"\xac\x02\n\tDraftInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\x04\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_positions\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0csupport_size\x18\x06 \x01(\r\x12\x14\n\x0cstep_time_us\x18\x07 \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x10\n\x08\x66orwards\x18\t \x01(\x04\x12\x11\n\tproposals\x18\n \x01(\x04\x12\x0f\n\x07runtime\x18\x0b \x01(\t\x12\x14\n\x0cmax_sessions\x18\x0c \x01(\r\x12\x16\n\x0esession_idle_s\x18\r \x01(\x01\x12\x18\n\x10\x65xpired_sessions\x18\x0e \x01(\x04\x32\xed\x02\n\x05\x44raft\x12\x39\n\x04Pair\x12\x17.specdec.v1.PairRequest\x1a\x18.specdec.v1.PairResponse\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12>\n\x07GetInfo\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x15.specdec.v1.DraftInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x18specdec/v1/pairing.proto\"\x92\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\npairing_id\x18\x05 \x01(\t\".\n\x13OpenSessionResponse\x12\x17\n\x0fprefill_time_us\x18\x01 \x01(\x04\"u\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x14\n\x0c\x61ppended_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"D\n\nDraftToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x13\n\x0bsupport_ids\x18\x02 \x03(\x05\x12\x15\n\rsupport_probs\x18\x03 \x03(\x02\"C\n\x13ProposeBatchRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\"m\n\x0fSessionProposal\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.specdec.v1.DraftToken\x12\x0e\n\x06status\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"p\n\x14ProposeBatchResponse\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specdec.v1.SessionProposal\x12\x17\n\x0f\x63ompute_time_us\x18\x02 \x01(\x04\x12\x10\n\x08\x66orwards\x18\x03 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x12\n\x10\x44raftInfoRequest\"\xed\x02\n\tDraftInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\x04\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_positions\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0csupport_size\x18\x06 \x01(\r\x12\x14\n\x0cstep_time_us\x18\x07 \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x10\n\x08\x66orwards\x18\t \x01(\x04\x12\x11\n\tproposals\x18\n \x01(\x04\x12\x0f\n\x07runtime\x18\x0b \x01(\t\x12\x14\n\x0cmax_sessions\x18\x0c \x01(\r\x12\x16\n\x0esession_idle_s\x18\r \x01(\x01\x12\x18\n\x10\x65xpired_sessions\x18\x0e \x01(\x04\x12\'\n\x07kv_pool\x18\x0f \x01(\x0b\x32\x16.specdec.v1.KVPoolInfo\x12\x16\n\x0eruntime_detail\x18\x10 \x01(\t2\xfc\x02\n\x05\x44raft\x12\x39\n\x04Pair\x12\x17.specdec.v1.PairRequest\x1a\x18.specdec.v1.PairResponse\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12U\n\x0cProposeBatch\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse(\x01\x30\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12>\n\x07GetInfo\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x15.specdec.v1.DraftInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,16 +41,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_end=403
   _globals['_DRAFTTOKEN']._serialized_start=405
   _globals['_DRAFTTOKEN']._serialized_end=473
-  _globals['_PROPOSERESPONSE']._serialized_start=475
-  _globals['_PROPOSERESPONSE']._serialized_end=557
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=559
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=600
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=602
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=641
-  _globals['_DRAFTINFOREQUEST']._serialized_start=643
-  _globals['_DRAFTINFOREQUEST']._serialized_end=661
-  _globals['_DRAFTINFO']._serialized_start=664
-  _globals['_DRAFTINFO']._serialized_end=964
-  _globals['_DRAFT']._serialized_start=967
-  _globals['_DRAFT']._serialized_end=1332
+  _globals['_PROPOSEBATCHREQUEST']._serialized_start=475
+  _globals['_PROPOSEBATCHREQUEST']._serialized_end=542
+  _globals['_SESSIONPROPOSAL']._serialized_start=544
+  _globals['_SESSIONPROPOSAL']._serialized_end=653
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=655
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=767
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=769
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=810
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=812
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=851
+  _globals['_DRAFTINFOREQUEST']._serialized_start=853
+  _globals['_DRAFTINFOREQUEST']._serialized_end=871
+  _globals['_DRAFTINFO']._serialized_start=874
+  _globals['_DRAFTINFO']._serialized_end=1239
+  _globals['_DRAFT']._serialized_start=1242
+  _globals['_DRAFT']._serialized_end=1622
 # @@protoc_insertion_point(module_scope)

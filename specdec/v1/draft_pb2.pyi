@@ -52,13 +52,33 @@ class DraftToken(_message.Message):
     support_probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, id: _Optional[int] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class ProposeResponse(_message.Message):
-    __slots__ = ("tokens", "compute_time_us")
+class ProposeBatchRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class SessionProposal(_message.Message):
+    __slots__ = ("session_id", "tokens", "status", "detail")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[DraftToken]
+    status: int
+    detail: str
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., status: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ProposeBatchResponse(_message.Message):
+    __slots__ = ("sessions", "compute_time_us", "forwards")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionProposal]
     compute_time_us: int
-    def __init__(self, tokens: _Optional[_Iterable[_Union[DraftToken, _Mapping]]] = ..., compute_time_us: _Optional[int] = ...) -> None: ...
+    forwards: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionProposal, _Mapping]]] = ..., compute_time_us: _Optional[int] = ..., forwards: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -77,7 +97,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "support_size", "step_time_us", "active_sessions", "forwards", "proposals", "runtime", "max_sessions", "session_idle_s", "expired_sessions")
+    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "support_size", "step_time_us", "active_sessions", "forwards", "proposals", "runtime", "max_sessions", "session_idle_s", "expired_sessions", "kv_pool", "runtime_detail")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +112,8 @@ class DraftInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_DETAIL_FIELD_NUMBER: _ClassVar[int]
     model: str
     parameters: int
     vocab_size: int
@@ -106,4 +128,6 @@ class DraftInfo(_message.Message):
     max_sessions: int
     session_idle_s: float
     expired_sessions: int
-    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., support_size: _Optional[int] = ..., step_time_us: _Optional[int] = ..., active_sessions: _Optional[int] = ..., forwards: _Optional[int] = ..., proposals: _Optional[int] = ..., runtime: _Optional[str] = ..., max_sessions: _Optional[int] = ..., session_idle_s: _Optional[float] = ..., expired_sessions: _Optional[int] = ...) -> None: ...
+    kv_pool: _common_pb2.KVPoolInfo
+    runtime_detail: str
+    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., support_size: _Optional[int] = ..., step_time_us: _Optional[int] = ..., active_sessions: _Optional[int] = ..., forwards: _Optional[int] = ..., proposals: _Optional[int] = ..., runtime: _Optional[str] = ..., max_sessions: _Optional[int] = ..., session_idle_s: _Optional[float] = ..., expired_sessions: _Optional[int] = ..., kv_pool: _Optional[_Union[_common_pb2.KVPoolInfo, _Mapping]] = ..., runtime_detail: _Optional[str] = ...) -> None: ...

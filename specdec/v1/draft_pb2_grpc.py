@@ -46,10 +46,10 @@ class DraftStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
-        self.Propose = channel.stream_stream(
-                '/specdec.v1.Draft/Propose',
-                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+        self.ProposeBatch = channel.stream_stream(
+                '/specdec.v1.Draft/ProposeBatch',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.Draft/CloseSession',
@@ -85,13 +85,16 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Propose(self, request_iterator, context):
-        """One session's rounds on one stream, one response per request and in order: each
-        request commits what the verifier kept of the last proposal, then asks for the next
-        tokens. A stream per session, not a call per round: a round then costs one message
-        each way instead of a call's set-up (measured here: 0.3 ms against 0.6-0.8 ms).
-        The caller cancels the stream to stop waiting (its round deadline passed, its
-        request ended); a failed request ends the stream with that request's status.
+    def ProposeBatch(self, request_iterator, context):
+        """The rounds of every speculating session, one message pair per step on ONE stream
+        per verify service (not one per session): a request lists the sessions that
+        speculate this step; for each, the draft commits what the verifier kept of its last
+        proposal and proposes its next tokens. The sessions share every draft forward while
+        their k lasts; one with a smaller k leaves the batch when its tokens are done. One
+        response per request, in order. A session's failure (unknown, expired, a bad step)
+        is answered in that session's SessionProposal and fails nothing else; the stream
+        itself fails only when the draft cannot serve at all (shutting down). The caller
+        cancels the stream to stop waiting (a step's deadline passed, shutdown).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,10 +127,10 @@ def add_DraftServicer_to_server(servicer, server):
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.OpenSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.OpenSessionResponse.SerializeToString,
             ),
-            'Propose': grpc.stream_stream_rpc_method_handler(
-                    servicer.Propose,
-                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            'ProposeBatch': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeBatch,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -206,7 +209,7 @@ class Draft:
             _registered_method=True)
 
     @staticmethod
-    def Propose(request_iterator,
+    def ProposeBatch(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -219,9 +222,9 @@ class Draft:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/specdec.v1.Draft/Propose',
-            specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
-            specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            '/specdec.v1.Draft/ProposeBatch',
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

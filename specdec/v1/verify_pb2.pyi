@@ -67,7 +67,7 @@ class RecentRequests(_message.Message):
     def __init__(self, window: _Optional[int] = ..., requests: _Optional[int] = ..., mean_completion_tokens: _Optional[float] = ..., speculated_requests: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., rejections: _Optional[int] = ..., alpha_hat: _Optional[float] = ...) -> None: ...
 
 class VerifyInfo(_message.Message):
-    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime", "pairing", "max_sessions", "recent", "queued_requests", "max_queued", "session_kv_budget_bytes", "session_idle_s", "expired_sessions")
+    __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime", "pairing", "max_sessions", "recent", "queued_requests", "max_queued", "session_kv_budget_bytes", "session_idle_s", "expired_sessions", "kv_pool", "runtime_detail", "prefill_chunk_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,9 @@ class VerifyInfo(_message.Message):
     SESSION_KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     parameters: int
     vocab_size: int
@@ -114,4 +117,7 @@ class VerifyInfo(_message.Message):
     session_kv_budget_bytes: int
     session_idle_s: float
     expired_sessions: int
-    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., draft_address: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., active_sessions: _Optional[int] = ..., requests: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., prefills: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., runtime: _Optional[str] = ..., pairing: _Optional[_Union[_pairing_pb2.Pairing, _Mapping]] = ..., max_sessions: _Optional[int] = ..., recent: _Optional[_Union[RecentRequests, _Mapping]] = ..., queued_requests: _Optional[int] = ..., max_queued: _Optional[int] = ..., session_kv_budget_bytes: _Optional[int] = ..., session_idle_s: _Optional[float] = ..., expired_sessions: _Optional[int] = ...) -> None: ...
+    kv_pool: _common_pb2.KVPoolInfo
+    runtime_detail: str
+    prefill_chunk_tokens: int
+    def __init__(self, model: _Optional[str] = ..., parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., draft_address: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., active_sessions: _Optional[int] = ..., requests: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., prefills: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., runtime: _Optional[str] = ..., pairing: _Optional[_Union[_pairing_pb2.Pairing, _Mapping]] = ..., max_sessions: _Optional[int] = ..., recent: _Optional[_Union[RecentRequests, _Mapping]] = ..., queued_requests: _Optional[int] = ..., max_queued: _Optional[int] = ..., session_kv_budget_bytes: _Optional[int] = ..., session_idle_s: _Optional[float] = ..., expired_sessions: _Optional[int] = ..., kv_pool: _Optional[_Union[_common_pb2.KVPoolInfo, _Mapping]] = ..., runtime_detail: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
