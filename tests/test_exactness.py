@@ -28,12 +28,15 @@ from specdec import sampling
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams, gumbel_noise, propose_token, verify_round, warp
 from specdec.toy_models import perturbed_copy
+from draft_service.drafter import Close, Drafter, Open, Propose, ProposeBatch
+from verify_service.verifier import DraftProposal, Prefill, Release, Verifier, Verify
 
 VOCAB = 16
 PROMPT = (3, 9, 1)
 N = 8_000  # the negative control's p is below 1e-300 at 6,000; more only slows the suite
 K_DRAFT = 2  # draft tokens per round
 P_MIN = 0.001
+BATCH = 200  # sessions sharing each forward when the samples are drawn through batched steps
 
 
 def save_tiny(path: Path, seed: int) -> Path:
@@ -174,3 +177,47 @@ def test_negative_control_noise_of_the_seed_alone_fails(models, monkeypatch):
     params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
     counts = coupled_joint_counts(models["target"], models["close"], params, first_seed=0)
     assert chi_square_p(counts, exact_joint(models["target"], params)) < P_MIN
+
+
+def batched_joint_counts(
+    target: CausalLM, draft: CausalLM, params: SamplingParams, support: int, seed: int
+) -> torch.Tensor:
+    """Counts of (first, second) emitted token over N speculative runs drawn through the
+    services' batched steps: BATCH sessions at a time share every draft and target forward
+    (Drafter.propose_batch, Verifier.forward), each with generators of its own."""
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
+    verifier, drafter = Verifier(target), Drafter(draft, support, max_sessions=BATCH)
+    for batch in range(N // BATCH):
+        sids = [f"{batch}-{i}" for i in range(BATCH)]
+        for i, sid in enumerate(sids):
+            own = seed * 10**6 + batch * BATCH + i
+            verifier.open(Prefill(sid, list(PROMPT), params, seed=2 * own, capacity=16))
+            drafter.open(Open(sid, list(PROMPT), params, seed=2 * own + 1, capacity=16))
+        verifier.forward([], {sid: len(PROMPT) - 1 for sid in sids})  # the prompts, in one forward
+        emitted: dict[str, list[int]] = {sid: [] for sid in sids}
+        kept: dict[str, tuple[int, list[int]]] = {sid: (0, []) for sid in sids}
+        while active := [sid for sid in sids if len(emitted[sid]) < 2]:
+            steps = [Propose(sid, *kept[sid], K_DRAFT) for sid in active]
+            proposals = drafter.propose_batch(ProposeBatch(steps)).tokens
+            rounds = [
+                Verify(sid, DraftProposal([t.id for t in ts], [list(t.support_ids) for t in ts], [list(t.support_probs) for t in ts]))
+                for sid, ts in zip(active, proposals)
+            ]
+            forwarded = verifier.forward(rounds, {})
+            assert forwarded.sessions == len(active)
+            for sid, verified in zip(active, forwarded.verified):
+                emitted[sid] += verified.tokens
+                kept[sid] = (verified.accepted, [verified.tokens[-1]])
+        for sid in sids:
+            counts[emitted[sid][0], emitted[sid][1]] += 1
+            verifier.release(Release(sid))
+            drafter.close(Close(sid))
+    return counts
+
+
+@pytest.mark.parametrize("case", ["far-draft", "support-leaves-out-tokens"])
+def test_first_two_tokens_follow_the_target_through_batched_forwards(models, case):
+    draft, params, support = CASES[case]
+    joint = exact_joint(models["target"], params)
+    counts = batched_joint_counts(models["target"].model, models[draft].model, params, support, seed=len(case))
+    assert chi_square_p(counts, joint) >= P_MIN
