@@ -44,7 +44,10 @@ class DraftConfig:
     model: str = option(defaults.DEFAULT_DRAFT, "draft model: local directory or hub id")
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
-    backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
+    backend: str = option("auto", "forward implementation: auto, batched or transformers")
+    kv_pool_tokens: int = option(
+        0, "tokens of the KV pool every session reserves from (batched runtime); 0: 8 contexts, at most 1 GiB"
+    )
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
     max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
     session_idle_s: float = option(60.0, "close a session that gets no proposal call for this many seconds; 0: never")
@@ -213,7 +216,7 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-draft", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens))
     step_time_s = model.step_time_s()
     drafter = Drafter(model, config.support_size, config.max_sessions)
     engine = Engine(drafter.execute, "draft-engine", inline=torch.get_num_threads() == 1)

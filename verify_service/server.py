@@ -39,7 +39,10 @@ class VerifyConfig:
     draft: str = option(defaults.DRAFT_ADDRESS, "draft service address (unix:///path or host:port); empty for none")
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
-    backend: str = option("auto", "forward implementation: auto, static-gpt2 or transformers")
+    backend: str = option("auto", "forward implementation: auto, batched or transformers")
+    kv_pool_tokens: int = option(
+        0, "tokens of the KV pool every session reserves from (batched runtime); 0: 8 contexts, at most 1 GiB"
+    )
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
     speculation: str = option("auto", "speculation mode of a request that names none: auto, on or off")
     auto_min_new_tokens: int = option(32, "AUTO mode: requests with max_new_tokens at most this run target-only")
@@ -126,7 +129,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens))
     tokenizer = load_fingerprint(config.model)
     limits = DecodeLimits(
         max_new_tokens=config.max_new_tokens_limit,
