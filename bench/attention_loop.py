@@ -78,7 +78,8 @@ def main() -> None:
     medians = interleaved_medians_ms(runs, args.repeats)
     full, without, padded = medians["full"], medians["without"], medians["padded"]
     loop = full - without
-    print(f"{SESSIONS} sessions x {NEW} new positions, {CACHED} cached, {layers} layers, {d.heads} heads x {d.head_dim}")
+    print(f"{SESSIONS} sessions x {NEW} new positions, {CACHED} cached, {layers} layers, "
+          f"{d.heads} heads x {d.head_dim}")
     print(f"forward {full:.2f} ms; without attention {without:.2f} ms; attention loop {loop:.2f} ms "
           f"({loop / layers:.3f} ms a layer) = {100 * loop / full:.1f}% of the forward")
     print(f"one padded batched attention instead: {padded:.2f} ms ({padded / layers:.3f} ms a layer); the loop costs "

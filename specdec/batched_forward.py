@@ -78,7 +78,9 @@ def _linear_gelu(bias: torch.Tensor | None, x: torch.Tensor, weight: torch.Tenso
     return F.gelu(_linear(bias, x, weight), approximate="tanh")
 
 
-def attention_bias(n: int, keys: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def attention_bias(
+    n: int, keys: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     """[n, keys] added to the scores of n queries, the last n of `keys` positions: -inf where a
     query must not look (later positions; with a window, positions `window` or more before
     it), 0 elsewhere. None where no query needs a mask: one query that sees all its keys.
@@ -292,7 +294,7 @@ class BatchedForward:
             ids = segments[0].ids
             start = segments[0].start
             slot = segments[0].offset + start
-            position_index = torch.arange(start, start + rows, device=self.device) if self._inv_freq is not None else None
+            position_index = None if self._inv_freq is None else torch.arange(start, start + rows, device=self.device)
         else:
             ids = [i for segment in segments for i in segment.ids]
             positions = [p for segment in segments for p in range(segment.start, segment.start + len(segment.ids))]

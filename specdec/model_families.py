@@ -74,7 +74,9 @@ def supports(model: PreTrainedModel) -> str | None:
     if isinstance(model, GPT2LMHeadModel):
         config = model.config
         checks = {
-            f"activation_function {config.activation_function} is not gelu_new": config.activation_function != "gelu_new",
+            f"activation_function {config.activation_function} is not gelu_new": (
+                config.activation_function != "gelu_new"
+            ),
             "scale_attn_weights is off": not config.scale_attn_weights,
             "scale_attn_by_inverse_layer_idx is on": config.scale_attn_by_inverse_layer_idx,
             "reorder_and_upcast_attn is on": config.reorder_and_upcast_attn,
@@ -151,7 +153,7 @@ def _llama(model: PreTrainedModel) -> Description:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = config.rope_parameters or {}
     rope_type = rope.get("rope_type", "default")
-    init = type(m.rotary_emb).compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    init = ROPE_INIT_FUNCTIONS.get(rope_type, type(m.rotary_emb).compute_default_rope_parameters)  # "default" is not in it
     inv_freq, attention_scaling = init(config, device=torch.device("cpu"))
     layers = []
     for block in m.layers:
@@ -162,7 +164,9 @@ def _llama(model: PreTrainedModel) -> Description:
                 norm1=(_d(block.input_layernorm.weight), None),
                 # nn.Linear stores [out, in]: fused along out, then seen as [in, out]
                 qkv_w=torch.cat([p.weight.detach() for p in projections]).t(),
-                qkv_b=_cat_bias([p.bias for p in projections], [p.out_features for p in projections], attn.q_proj.weight),
+                qkv_b=_cat_bias(
+                    [p.bias for p in projections], [p.out_features for p in projections], attn.q_proj.weight
+                ),
                 o_w=_d(attn.o_proj.weight).t(),
                 o_b=_d(attn.o_proj.bias),
                 norm2=(_d(block.post_attention_layernorm.weight), None),

@@ -126,9 +126,8 @@ class CausalLM:
         if unsupported is None:
             self._batched = BatchedForward(model_families.describe(model))
             d = self._batched.d
-            self._pool = KVPool(
-                len(d.layers), d.kv_heads, d.head_dim, pool_tokens or self._default_pool_tokens(), self.dtype, self.device
-            )
+            tokens = pool_tokens or self._default_pool_tokens()
+            self._pool = KVPool(len(d.layers), d.kv_heads, d.head_dim, tokens, self.dtype, self.device)
         self.backend = "batched" if self._batched is not None else "transformers"
 
     @classmethod
