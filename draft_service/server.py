@@ -46,7 +46,9 @@ class DraftConfig:
     device: str = option("cpu", "torch device of the model, e.g. cpu or cuda:0")
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, batched or transformers")
-    kv_pool_tokens: int = option(0, "tokens of the draft's KV pool, preallocated; 0: the context times 8, at most 1 GiB")
+    kv_pool_tokens: int = option(
+        0, "tokens of the KV pool every session reserves from (batched runtime); 0: 8 contexts, at most 1 GiB"
+    )
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
     max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
     session_idle_s: float = option(60.0, "close a session that gets no proposal call for this many seconds; 0: never")
