@@ -47,7 +47,7 @@ class DraftConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, batched or transformers")
     kv_pool_tokens: int = option(
-        0, "tokens of the KV pool every session reserves from (batched runtime); 0: 8 contexts, at most 1 GiB"
+        0, "tokens of the KV pool every session reserves from (batched runtime); 0: --max-sessions contexts, at most 1 GiB"
     )
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
     max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
@@ -266,7 +266,7 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-draft", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions))
     if model.unbatched_reason:
         log.warning("the draft runs one session per forward (transformers path): %s", model.unbatched_reason)
     step_time_s = model.step_time_s()

@@ -40,8 +40,9 @@ class ModelSpec:
     dtype: str = "float32"  # one of DTYPES
     backend: str = "auto"  # one of BACKENDS; auto = batched where the model allows it
     # Tokens of the batched runtime's KV pool, shared by all sessions; 0: the model's context
-    # times DEFAULT_POOL_CONTEXTS, capped at DEFAULT_POOL_MAX_BYTES (never under one context).
+    # times pool_contexts, capped at DEFAULT_POOL_MAX_BYTES (never under one context).
     pool_tokens: int = 0
+    pool_contexts: int = DEFAULT_POOL_CONTEXTS  # a service passes its most sessions: none waits for the pool by default
 
 
 class KVCache:
@@ -107,7 +108,10 @@ class KVCache:
 class CausalLM:
     """A causal language model with cache-aware, batched forwards and a forward counter."""
 
-    def __init__(self, model: PreTrainedModel, name: str, backend: str = "auto", pool_tokens: int = 0) -> None:
+    def __init__(
+        self, model: PreTrainedModel, name: str, backend: str = "auto", pool_tokens: int = 0,
+        pool_contexts: int = DEFAULT_POOL_CONTEXTS,
+    ) -> None:  # fmt: skip
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.model = model.eval()
@@ -126,7 +130,7 @@ class CausalLM:
         if unsupported is None:
             self._batched = BatchedForward(model_families.describe(model))
             d = self._batched.d
-            tokens = pool_tokens or self._default_pool_tokens()
+            tokens = pool_tokens or self._default_pool_tokens(pool_contexts)
             self._pool = KVPool(len(d.layers), d.kv_heads, d.head_dim, tokens, self.dtype, self.device)
         self.backend = "batched" if self._batched is not None else "transformers"
 
@@ -135,10 +139,10 @@ class CausalLM:
         if spec.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=DTYPES[spec.dtype])
-        return cls(model.to(spec.device), spec.path, spec.backend, spec.pool_tokens)
+        return cls(model.to(spec.device), spec.path, spec.backend, spec.pool_tokens, spec.pool_contexts)
 
-    def _default_pool_tokens(self) -> int:
-        tokens = DEFAULT_POOL_CONTEXTS * self.max_positions
+    def _default_pool_tokens(self, contexts: int) -> int:
+        tokens = contexts * self.max_positions
         return max(self.max_positions, min(tokens, DEFAULT_POOL_MAX_BYTES // self.kv_bytes_per_token))
 
     @property

@@ -136,6 +136,12 @@ class DraftClient:
         self.watchdog = Watchdog()
 
     @property
+    def pairing_id(self) -> str:
+        """The pairing's id while paired, else ''."""
+        with self._lock:
+            return self._pairing_id
+
+    @property
     def pairing(self) -> pairing_pb2.Pairing:
         with self._lock:
             return pairing_pb2.Pairing.FromString(self._pairing.SerializeToString())
@@ -293,13 +299,18 @@ class ProposalLink:
         self._client = client
         self._requests: queue.SimpleQueue[draft_pb2.ProposeBatchRequest | None] | None = None
         self._stream: Any = None
+        self._pairing_id = ""  # of the pairing the stream was opened under
         self._timed_out = False  # the step's deadline passed
         self._interrupted = False  # the caller stopped waiting (its requests ended, shutdown)
 
     def propose(self, rounds: Sequence[SessionRound]) -> tuple[list[DraftProposal | DraftLost], float]:
         """Every session's proposal (or why that session lost its draft) and the draft's own
         compute seconds for the batch; raises DraftLost when the draft failed them all."""
+        pairing_id = self._client.pairing_id
+        if self._stream is not None and pairing_id != self._pairing_id:
+            self._drop()  # a stream of an earlier pairing: the draft it reached may be gone
         if self._stream is None:
+            self._pairing_id = pairing_id
             self._requests = queue.SimpleQueue()
             self._stream = self._client._stub.ProposeBatch(iter(self._requests.get, None))
             self._timed_out = self._interrupted = False

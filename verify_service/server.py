@@ -42,7 +42,7 @@ class VerifyConfig:
     backend: str = option("auto", "forward implementation: auto, batched or transformers")
     kv_pool_tokens: int = option(
         0, "tokens of the target's KV pool, preallocated (each request reserves prompt, max_new_tokens and a "
-        "proposal's look-ahead); 0: the context times 8, at most 1 GiB"
+        "proposal's look-ahead); 0: the context times --max-sessions, at most 1 GiB"
     )
     prefill_chunk_tokens: int = option(256, "most prompt positions prefilled per forward, beside the decoding requests' rounds")
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
@@ -134,7 +134,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens))
+    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions))
     if model.unbatched_reason:
         log.warning("the target runs one session per forward (transformers path): %s", model.unbatched_reason)
     tokenizer = load_fingerprint(config.model)
