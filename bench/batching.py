@@ -43,7 +43,11 @@ from verify_service.verifier import NO_DRAFT, Prefill, Release, Verifier, Verify
 
 PROMPTS = 32
 MAX_NEW_TOKENS = 128
-MODES = {"target-only": (common_pb2.SPECULATION_MODE_OFF, 0), "on-k4": (common_pb2.SPECULATION_MODE_ON, 4)}
+MODES = {
+    "target-only": (common_pb2.SPECULATION_MODE_OFF, 0),
+    "on-k4": (common_pb2.SPECULATION_MODE_ON, 4),
+    "auto": (common_pb2.SPECULATION_MODE_AUTO, 0),
+}
 
 
 def distinct_prompts(count: int) -> list[str]:
@@ -56,10 +60,13 @@ def distinct_prompts(count: int) -> list[str]:
     return out[:count]
 
 
-def through_services(gateway: str, prompts: list[str], in_flight: int, mode: str) -> dict:
-    """Every prompt once, `in_flight` streams at a time; tokens/s over the whole wall time."""
+def through_services(
+    gateway: str, prompts: Sequence[str | list[int]], in_flight: int, mode: str, max_new_tokens: int = MAX_NEW_TOKENS
+) -> dict:
+    """Every prompt (text or token ids) once, greedy, `in_flight` streams at a time;
+    tokens/s over the whole wall time, with TTFT and ITL percentiles."""
     speculation, k = MODES[mode]
-    work: queue.SimpleQueue[str] = queue.SimpleQueue()
+    work: queue.SimpleQueue[str | list[int]] = queue.SimpleQueue()
     for prompt in prompts:
         work.put(prompt)
     tally = Tally()
@@ -72,8 +79,11 @@ def through_services(gateway: str, prompts: list[str], in_flight: int, mode: str
                     prompt = work.get_nowait()
                 except queue.Empty:
                     return
-                req = generation_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW_TOKENS)
-                req.sampling.temperature = 0.0
+                req = generation_pb2.GenerateRequest(max_new_tokens=max_new_tokens, temperature=0.0)
+                if isinstance(prompt, str):
+                    req.text = prompt
+                else:
+                    req.token_ids.ids.extend(prompt)
                 req.speculation.mode = speculation
                 if k:
                     req.speculation.num_draft_tokens = k
@@ -151,7 +161,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         "single stream target-only ours / baseline": ratio("services target-only x1", "baseline target-only x1"),
         "single stream on-k4 ours / baseline": ratio("services on-k4 x1", "baseline on-k4 x1"),
     }
-    for mode in MODES:
+    for mode in ("target-only", "on-k4"):
         ratios[f"TTFT p99 at 16 in flight, {mode} ours / baseline"] = ratio(
             f"services {mode} x16", f"baseline {mode} x16", ttft_p99
         )
@@ -184,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name = f"in-process target-only x{in_flight}"
                 runs.setdefault(name, []).append(in_process(model, prompt_ids, in_flight))
                 print(f"[{repeat + 1}/{args.repeats}] {name}: {runs[name][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
-                for mode in MODES:
+                for mode in ("target-only", "on-k4"):
                     for label, stack in stacks.items():
                         name = f"{label} {mode} x{in_flight}"
                         result = through_services(stack.config.gateway_address, prompts, in_flight, mode)

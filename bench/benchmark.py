@@ -37,6 +37,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bench import report
+from bench.batching import through_services
 from bench.report import AUTO, AUTO_SHORT as SHORT, TARGET_ONLY
 from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN, Job, Peer, Run, ours_run, peer_run
 from specdec import defaults, host
@@ -64,6 +65,7 @@ class BenchConfig:
     verify_threads: int = 2  # torch threads of the verify service
     draft_threads: int = 1  # torch threads of the draft service (its default)
     peer_threads: int = 2  # torch threads of transformers' generate in this process
+    in_flight: tuple[int, ...] = (1, 16)  # streams in flight of the load section (greedy, every column of ours)
     calibration_length: int = 256  # output length of the runs that choose our best k
     mismatched_length: int = 256  # output length of the runs with the mismatched draft
     out: Path = Path("bench/results/cpu")
@@ -80,8 +82,9 @@ class BenchConfig:
 
 QUICK = dict(
     prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128, mismatched_length=128, short_repeats=1, mid_repeats=1,
-    mismatched_repeats=1,
+    mismatched_repeats=1, in_flight=(1, 4),
 )  # fmt: skip
+LOAD_TOKENS = 128  # output length of the load section's requests
 
 
 @dataclass
@@ -200,13 +203,28 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
                     if failure:
                         failures.append(failure)
                         print(f"  GREEDY MISMATCH: {failure}", file=log, flush=True)
+        load = in_flight_load(config, prompts, gateway, log)
         memory = {s: round(peak_rss_mib(p.pid), 1) for s, p in stack.processes.items()}
     memory["bench (peer)"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     mismatched = _mismatched_runs(config, stack_config, prompts, target, failures, log)
 
     result = report.build(config, records, costs, best_k, memory, failures, machine(), mismatched)
+    result["in_flight"] = load
     report.write(result, config.out)
     return result
+
+
+def in_flight_load(config: BenchConfig, prompts: list[list[int]], gateway: str, log: TextIO) -> list[dict]:
+    """Aggregate tokens/s by streams in flight: every prompt, repeated to twice the most
+    streams, LOAD_TOKENS greedy tokens each, target-only, ON at k = 4 and AUTO."""
+    work = [prompts[i % len(prompts)] for i in range(2 * max(config.in_flight))]
+    rows = []
+    for in_flight in config.in_flight:
+        for mode in ("target-only", "on-k4", "auto"):
+            result = through_services(gateway, work, in_flight, mode, LOAD_TOKENS)
+            rows.append({"in_flight": in_flight, "mode": mode, **{k: v for k, v in result.items() if k != "wall_s"}})
+            print(f"  load: {in_flight} in flight, {mode}: {result['tokens_per_s']:.1f} tokens/s", file=log, flush=True)
+    return rows
 
 
 def _column_k(column: str, best_k: int) -> int:

@@ -250,6 +250,21 @@ def markdown(result: dict) -> str:
                 f"| {t} | {auto['length']} | {base['tokens_per_s']:.1f} | {auto['tokens_per_s']:.1f} ({auto['speedup']:.2f}x) | "
                 f"{auto['acceptance_rate']:.3f} | {auto['speculative_tokens']:.0%} |"
             )
+    if result.get("in_flight"):
+        lines += [
+            "",
+            "Streams in flight (greedy, each request 128 tokens): aggregate tokens/s, time to first token and "
+            "inter-token latency.",
+            "",
+            "| in flight | mode | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+            "| ---: | --- | ---: | ---: | ---: |",
+        ]
+        for row in result["in_flight"]:
+            ttft, itl = row["ttft_ms"], row["itl_ms"]
+            lines.append(
+                f"| {row['in_flight']} | {row['mode']} | {row['tokens_per_s']:.1f} | {ttft['p50']:.0f} / {ttft['p99']:.0f} | "
+                f"{itl['p50']:.1f} / {itl['p99']:.1f} |"
+            )
     lines += ["", "Goals: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in result["goals"].items() if k != "per_cell")]
     lines += ["Peak memory (MiB): " + ", ".join(f"{k} {v}" for k, v in result["peak_memory_mib"].items())]
     failures = result["greedy_failures"]

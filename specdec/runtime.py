@@ -222,6 +222,8 @@ class CausalLM:
         before anything runs: a bad one raises ValueError and no cache changes."""
         if len(caches) != len(ids) or not caches:
             raise ValueError(f"a batch needs one id list per cache, at least one: got {len(caches)} and {len(ids)}")
+        if len(caches) == 1:  # one stream's every round: the lean path
+            return [self.forward(caches[0], ids[0])]
         if len({id(cache) for cache in caches}) != len(caches):
             raise ValueError("a batch holds the same cache twice")
         for i, (cache, ids_i) in enumerate(zip(caches, ids)):

@@ -20,7 +20,7 @@ def tiny_config(toy, out) -> BenchConfig:
     return BenchConfig(
         target=str(toy.target), draft=str(toy.close), prompts=2, lengths=LENGTHS, temperatures=TEMPERATURES,
         ks=(2, 3), repeats=1, verify_threads=1, peer_threads=1, calibration_length=16, mismatched_length=48,
-        short_repeats=1, mismatched_repeats=1, out=out,
+        short_repeats=1, mismatched_repeats=1, in_flight=(1, 4), out=out,
     )  # fmt: skip
 
 
@@ -31,6 +31,10 @@ def test_quick_bench_reports_every_cell_and_passes_the_greedy_check(toy, tmp_pat
     assert json.loads(json.dumps(result)) == json.loads((config.out / "bench.json").read_text())
     assert (config.out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (config.out / "bench.md").read_text()
+    load = {(row["in_flight"], row["mode"]): row for row in result["in_flight"]}
+    assert set(load) == {(n, mode) for n in (1, 4) for mode in ("target-only", "on-k4", "auto")}
+    assert all(row["tokens_per_s"] > 0 and row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"] > 0 for row in load.values())
+    assert "| 4 | on-k4 |" in table
     assert "| T | tokens | target-only | auto | k=2 | k=3 | generate | assisted-default | assisted-constant |" in table
     assert result["greedy_failures"] == [] and "all speculative completions equal target-only" in table
 

@@ -291,7 +291,8 @@ class SessionRound:
 
 class ProposalLink:
     """The one ProposeBatch stream to the draft: a message pair per step carries every
-    speculating session's round. Used by the verify service's round thread only (but
+    speculating session's round, sent (`send`) before the step that uses it and waited for
+    (`receive`) when it starts. Used by the verify service's round thread only (but
     `interrupt` may come from any thread). A stream that failed or missed a step's
     deadline is dropped; the next step opens a new one."""
 
@@ -300,12 +301,15 @@ class ProposalLink:
         self._requests: queue.SimpleQueue[draft_pb2.ProposeBatchRequest | None] | None = None
         self._stream: Any = None
         self._pairing_id = ""  # of the pairing the stream was opened under
+        self._steps = 0  # draft forwards the request in flight takes
+        self._sent: Sequence[SessionRound] = ()
+        self._sent_at = 0.0
+        self._alarm: int | None = None
         self._timed_out = False  # the step's deadline passed
         self._interrupted = False  # the caller stopped waiting (its requests ended, shutdown)
 
-    def propose(self, rounds: Sequence[SessionRound]) -> tuple[list[DraftProposal | DraftLost], float]:
-        """Every session's proposal (or why that session lost its draft) and the draft's own
-        compute seconds for the batch; raises DraftLost when the draft failed them all."""
+    def send(self, rounds: Sequence[SessionRound]) -> None:
+        """Asks for every session's next proposal without waiting (`receive` waits)."""
         pairing_id = self._client.pairing_id
         if self._stream is not None and pairing_id != self._pairing_id:
             self._drop()  # a stream of an earlier pairing: the draft it reached may be gone
@@ -317,13 +321,18 @@ class ProposalLink:
         request = draft_pb2.ProposeBatchRequest(sessions=[r.session.next_request(r.num_tokens, r.traceparent) for r in rounds])
         # A session catching up after target-only rounds feeds the tokens it missed first:
         # one more forward, longer than a step, allowed for as if a step each.
-        steps = max(r.num_tokens + r.session.catch_up for r in rounds)
-        started = time.perf_counter()
+        self._steps = max(r.num_tokens + r.session.catch_up for r in rounds)
+        self._sent = rounds
+        self._sent_at = time.perf_counter()
         self._requests.put(request)
-        stream = self._stream
-        alarm = self._client.watchdog.arm(self._client.round_deadline_s(steps), self._expire)
+        self._alarm = self._client.watchdog.arm(self._client.round_deadline_s(self._steps), self._expire)
+
+    def receive(self) -> tuple[list[DraftProposal | DraftLost], float]:
+        """Every session's proposal asked for by `send` (or why that session lost its draft)
+        and the draft's own compute seconds for the batch; raises DraftLost when the draft
+        failed them all."""
         try:
-            response = next(stream)
+            response = next(self._stream)
         except StopIteration:
             self._drop()
             raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal stream ended early") from None
@@ -336,13 +345,13 @@ class ProposalLink:
                 raise DraftLost.cancelled("proposal") from None
             raise DraftLost.from_rpc(error, "proposal") from None
         finally:
-            self._client.watchdog.disarm(alarm)
-        self._client.observe(steps, time.perf_counter() - started)
+            self._client.watchdog.disarm(self._alarm)
+        self._client.observe(self._steps, time.perf_counter() - self._sent_at)
         results: list[DraftProposal | DraftLost] = []
-        for r, answer in zip(rounds, response.sessions):
+        for answer in response.sessions:
             if answer.status:
-                code = _STATUS[answer.status]
-                results.append(DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, f"draft proposal failed: {code.name}: {answer.detail}", unpairs=False))
+                detail = f"draft proposal failed: {_STATUS[answer.status].name}: {answer.detail}"
+                results.append(DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, detail, unpairs=False))
                 continue
             tokens = answer.tokens
             results.append(

@@ -36,6 +36,16 @@ MAX_AHEAD = 2
 Outgoing = verify_pb2.DecodeChunk | Exception | object
 
 
+@dataclass(frozen=True)
+class Upcoming:
+    """A round chosen (and its proposal asked for) before the step that runs it."""
+
+    turn: Choice
+    span: trace.Span
+    traceparent: str  # of the span: the draft's span's parent
+    start: float  # perf_counter when it was chosen
+
+
 @dataclass
 class Request:
     sid: str  # the session id on both model services
@@ -52,6 +62,7 @@ class Request:
     turn: Choice | None = None  # what the round now running does
     previous: Choice | None = None  # what the round before did
     fell_back: bool = False  # an AUTO session counted once among those that went target-only
+    upcoming: Upcoming | None = None  # the next round, chosen before this one's chunk left
     prefill_span: trace.Span | None = None
     round_span: trace.Span | None = None
     round_start: float = 0.0  # perf_counter at the start of the round now running
@@ -74,7 +85,12 @@ class Request:
         self.ended.set()
         self.outbox.put(ENDED)
 
-    def started_round(self) -> None:
-        self.round_start = time.perf_counter()
+    def plan_round(self, turn: Choice, span: trace.Span, traceparent: str) -> None:
+        self.upcoming = Upcoming(turn, span, traceparent, time.perf_counter())
+
+    def start_planned_round(self) -> None:
+        """The upcoming round becomes the one running."""
+        up, self.upcoming = self.upcoming, None
+        self.turn, self.round_span, self.traceparent, self.round_start = up.turn, up.span, up.traceparent, up.start
         if not self.index:
             self.first_round_start = self.round_start

@@ -47,10 +47,10 @@ class RoundTelemetry:
             request.prefill_span.end()
             request.prefill_span = None
 
-    def start_round(self, request: Request) -> str:
-        """Opens the round's span; returns its traceparent (the draft's span's parent)."""
-        request.round_span = self._tracer.start_span(attrs.ROUND, context=request.ctx)
-        return traceparent(trace.set_span_in_context(request.round_span))
+    def start_round(self, request: Request) -> tuple[trace.Span, str]:
+        """Opens a round's span; returns it and its traceparent (the draft's span's parent)."""
+        span = self._tracer.start_span(attrs.ROUND, context=request.ctx)
+        return span, traceparent(trace.set_span_in_context(span))
 
     def forward(self, sessions: int, positions: int) -> None:
         self._forwards.record(sessions, positions)
@@ -87,7 +87,7 @@ class RoundTelemetry:
 
     def fail(self, request: Request, err: BaseException) -> None:
         """The request ends mid-round (the decode span says which status it got)."""
-        for span in (request.round_span, request.prefill_span):
+        for span in (request.round_span, request.prefill_span, request.upcoming and request.upcoming.span):
             if span is not None:
                 span.record_exception(err)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, repr(err)))
@@ -96,10 +96,10 @@ class RoundTelemetry:
     @staticmethod
     def close(request: Request) -> None:
         """Ends the spans a request that ends between rounds left open."""
-        for span in (request.round_span, request.prefill_span):
+        for span in (request.round_span, request.prefill_span, request.upcoming and request.upcoming.span):
             if span is not None:
                 span.end()
-        request.round_span = request.prefill_span = None
+        request.round_span = request.prefill_span = request.upcoming = None
 
     def auto_reason(self, turn: Choice, previous: Choice | None) -> str:
         """Why an AUTO round does what it does, when that changed since the round before."""

@@ -77,6 +77,8 @@ class RoundLoop:
         self._stopping = False
         self._active: list[Request] = []  # in arrival order: prefill chunks go first come, first served
         self._proposing: list[Request] = []  # the requests whose proposals the step waits for
+        self._planned: list[Request] | None = None  # the next step's requests, their rounds chosen
+        self._asked: list[Request] = []  # those of them whose proposals were asked for
         self._thread = threading.Thread(target=self._run, name="verify-rounds", daemon=True)
         self._thread.start()
 
@@ -160,16 +162,19 @@ class RoundLoop:
                     self._retire(request, Internal(f"decoding failed: an internal error, logged under session {request.sid!r}"), err)
 
     def _has_work(self) -> bool:
+        if self._planned:
+            return True
         return any(self._ready(r) or self._prefilling(r) for r in self._active if not r.ended.is_set())
 
     def _prefilling(self, request: Request) -> bool:
         return self._verifier.sessions[request.sid].prefill_left > 0
 
-    def _ready(self, request: Request) -> bool:
-        """Prefilled, its draft's prefill (if it has a draft) done, and its caller keeping up."""
+    def _ready(self, request: Request, emitting: bool = False) -> bool:
+        """Prefilled, its draft's prefill (if it has a draft) done, and its caller keeping up
+        (`emitting`: a chunk of its is about to be handed over too)."""
         return (
-            not self._prefilling(request) and (request.draft is None or request.draft.opened)
-            and request.outbox.qsize() < MAX_AHEAD
+            not request.ended.is_set() and not self._prefilling(request)
+            and (request.draft is None or request.draft.opened) and request.outbox.qsize() + emitting < MAX_AHEAD
         )  # fmt: skip
 
     def _join(self, request: Request) -> None:
@@ -183,30 +188,53 @@ class RoundLoop:
             self._telemetry.end_prefill(request)
 
     def _step(self) -> None:
-        """One round of every ready request, in one target forward with the prompt chunks."""
-        ready = [r for r in self._active if self._ready(r)]
+        """One round of every planned request, in one target forward with the prompt chunks;
+        the next step's rounds are planned and their proposals asked for before this one's
+        chunks are handed over, so the draft computes while they travel."""
+        if self._planned is None:
+            self._plan(set(), set())
+        planned, self._planned = self._planned or [], None
         prefill = self._prefill_chunks()
-        if not ready and not prefill:
+        if not planned and not prefill:
             return
+        proposed = self._receive(planned)
+        ready = [r for r in planned if r.sid in self._verifier.sessions and not r.ended.is_set()]
         for request in ready:
-            self._begin_round(request)
-        proposed = self._propose(ready)
+            request.start_planned_round()
         rounds = [Verify(r.sid, proposed.by_session.get(r.sid, NO_DRAFT)) for r in ready]
         start_ns = time.time_ns()
         forwarded = self._verifier.forward(rounds, prefill)
         end_ns = time.time_ns()
-        self._telemetry.forward(forwarded.sessions, forwarded.positions)
+        committed: list[tuple[Request, Verify, verify_pb2.DecodeChunk]] = []
         for request, step, verified in zip(ready, rounds, forwarded.verified):
             if isinstance(verified, Exception):
                 self._fail(request, verified)
                 continue
-            self._telemetry.verified(request, start_ns, end_ns, len(step.draft.ids) + 1, int(verified.seconds * 1e6))
             chunk = self._commit(request, step.draft, verified, proposed, forwarded.sessions, forwarded.positions)
+            committed.append((request, step, chunk))
+        self._plan({r.sid for r, _, c in committed if c.finish_reason}, {r.sid for r, _, _ in committed})
+        self._telemetry.forward(forwarded.sessions, forwarded.positions)
+        for request, step, chunk in committed:
+            self._telemetry.verified(request, start_ns, end_ns, len(step.draft.ids) + 1, chunk.round.verify_time_us)
             self._emit(request, chunk)
         for sid in prefill:
             request = next(r for r in self._active if r.sid == sid)
             if not self._prefilling(request):
                 self._telemetry.end_prefill(request)
+
+    def _plan(self, finishing: set[str], emitting: set[str]) -> None:
+        """Chooses the next round of every request that can run one and asks the draft for
+        the proposals in one message (the step that runs them waits for the answer)."""
+        planned = [
+            r for r in self._active if r.sid not in finishing and self._ready(r, r.sid in emitting)
+        ]  # fmt: skip
+        for request in planned:
+            self._begin_round(request)
+        self._planned = planned
+        speculating = [r for r in planned if r.upcoming.turn.k > 0 and r.draft is not None]
+        self._asked = speculating
+        if speculating:
+            self._link.send([SessionRound(r.draft, r.upcoming.turn.k, r.upcoming.traceparent) for r in speculating])
 
     def _prefill_chunks(self) -> dict[str, int]:
         """Prompt positions each prefilling request feeds this step: the budget, first come first served."""
@@ -221,14 +249,13 @@ class RoundLoop:
     # One request's round: choose, propose, verify (shared), commit, emit.
 
     def _begin_round(self, request: Request) -> None:
+        """The request's next round: its k, its span (opened now: its proposal's wait counts)."""
         if request.draft is not None and request.draft.opening is not None:
             try:
                 request.draft.check_open()
             except DraftLost as lost:
                 self._lose_draft(request, lost)
-        request.turn = self._choose(request)
-        request.started_round()
-        request.traceparent = self._telemetry.start_round(request)
+        request.plan_round(self._choose(request), *self._telemetry.start_round(request))
 
     def _choose(self, request: Request) -> Choice:
         """What the round does: its k never proposes past the last position the request
@@ -244,28 +271,32 @@ class RoundLoop:
             choice = Choice(plan.num_draft_tokens, common_pb2.AUTO_CHOICE_UNSPECIFIED, 0.0, 0.0)
         return replace(choice, k=min(choice.k, request.remaining - 1))
 
-    def _propose(self, ready: list[Request]) -> Proposed:
-        """Every speculating request's proposal, in one message pair with the draft."""
-        speculating = [r for r in ready if r.turn.k > 0 and r.draft is not None]
-        if not speculating:
+    def _receive(self, planned: list[Request]) -> Proposed:
+        """The proposals `_plan` asked for, by session id (the requests the draft failed go
+        target-only), and how long this step waited for them."""
+        asked, self._asked = self._asked, []
+        if not asked:
             return Proposed({}, 0.0, 0.0)
         start = time.perf_counter()
         with self._cond:
-            self._proposing = speculating
+            self._proposing = asked
         try:
-            if all(r.ended.is_set() for r in speculating):
-                raise DraftLost.cancelled("proposal")
-            results, compute_s = self._link.propose([SessionRound(r.draft, r.turn.k, r.traceparent) for r in speculating])
+            if all(r.ended.is_set() for r in asked):
+                self._link.interrupt()
+            results, compute_s = self._link.receive()
         except DraftLost as lost:
-            for request in speculating:
-                self._lose_draft(request, lost)
+            for request in asked:
+                if request.draft is not None:
+                    self._lose_draft(request, lost)
             return Proposed({}, time.perf_counter() - start, 0.0)
         finally:
             with self._cond:
                 self._proposing = []
         wait_s = time.perf_counter() - start
         by_session = {}
-        for request, result in zip(speculating, results):
+        for request, result in zip(asked, results):
+            if request.draft is None:  # retired meanwhile
+                continue
             if isinstance(result, DraftLost):
                 self._lose_draft(request, result)
             else:
