@@ -149,7 +149,9 @@ def start_stack(checkout: Path | None, threads: int) -> Stack:
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
-    ttft_p99 = {name: statistics.median(r["ttft_ms"]["p99"] for r in rs) for name, rs in runs.items() if "ttft_ms" in rs[0]}
+    ttft_p99 = {
+        name: statistics.median(r["ttft_ms"]["p99"] for r in rs) for name, rs in runs.items() if "ttft_ms" in rs[0]
+    }
 
     def ratio(a: str, b: str, of: dict[str, float] = medians) -> float | None:
         return round(of[a] / of[b], 3) if a in of and b in of else None
@@ -193,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for in_flight in (1, args.in_flight):
                 name = f"in-process target-only x{in_flight}"
                 runs.setdefault(name, []).append(in_process(model, prompt_ids, in_flight))
-                print(f"[{repeat + 1}/{args.repeats}] {name}: {runs[name][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {name}: {runs[name][-1]['tokens_per_s']:.1f} tokens/s", flush=True
+                )
                 for mode in ("target-only", "on-k4"):
                     for label, stack in stacks.items():
                         name = f"{label} {mode} x{in_flight}"

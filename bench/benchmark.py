@@ -38,7 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bench import report
 from bench.batching import through_services
-from bench.report import AUTO, AUTO_SHORT as SHORT, TARGET_ONLY
+from bench.report import AUTO, TARGET_ONLY
+from bench.report import AUTO_SHORT as SHORT
 from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN, Job, Peer, Run, ours_run, peer_run
 from specdec import defaults, host
 from specdec.costs import measure_costs

@@ -85,13 +85,21 @@ class Drafter:
     closed_unopened: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     def execute(self, steps: list[Open | Propose | ProposeBatch | Close | Expire]) -> list[object]:
-        handlers = {Open: self.open, Propose: self.propose, ProposeBatch: self.propose_batch, Close: self.close, Expire: self.expire}
+        handlers = {
+            Open: self.open,
+            Propose: self.propose,
+            ProposeBatch: self.propose_batch,
+            Close: self.close,
+            Expire: self.expire,
+        }
         return run_each(steps, handlers)
 
     def open(self, step: Open) -> float:
         """Creates the session and prefills all but the last prompt token; returns seconds."""
         if len(self.sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"{len(self.sessions)} draft sessions are open, the limit (--max-sessions) is {self.max_sessions}")
+            raise ResourceExhausted(
+                f"{len(self.sessions)} draft sessions are open, the limit (--max-sessions) is {self.max_sessions}"
+            )
         if not step.prompt_ids:
             raise InvalidArgument("prompt_ids: must not be empty")
         if len(step.prompt_ids) >= self.model.max_positions:
@@ -187,7 +195,9 @@ class Drafter:
         """The session's next draft token from its logits at the last position."""
         position = len(session.tokens) - session.prompt_length
         noise = coupling_noise(session.coupled_seed, session.params, position, 1, logits.shape[-1])
-        choice = propose_token(logits, session.params, self.support_size, session.generator, None if noise is None else noise[0])
+        choice = propose_token(
+            logits, session.params, self.support_size, session.generator, None if noise is None else noise[0]
+        )
         session.tokens.append(choice.id)
         return draft_pb2.DraftToken(id=choice.id, support_ids=choice.support_ids, support_probs=choice.support_probs)
 

@@ -16,8 +16,9 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from draft_service.drafter import Close, Drafter, Expire, Open, Propose, ProposeBatch, Proposals
+from draft_service.drafter import Close, Drafter, Expire, Open, Proposals, Propose, ProposeBatch
 from specdec import defaults
+from specdec import span_attributes as attrs
 from specdec.engine import Engine, EngineStopped
 from specdec.errors import Internal, ServiceError, Unavailable
 from specdec.facts import kv_pool_info, peer_facts
@@ -25,11 +26,10 @@ from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
 from specdec.host import HostProbe
 from specdec.idle import IdleSweeper
+from specdec.metrics import ForwardMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions, proposal_duration
 from specdec.pairing import REFUSAL_FACTS_KEY, check_verifier, describe_host, transport_of_peer
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams
-from specdec import span_attributes as attrs
-from specdec.metrics import ForwardMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions, proposal_duration
 from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, from_traceparent, incoming, set_error
 from specdec.v1 import draft_pb2, draft_pb2_grpc, pairing_pb2
@@ -47,20 +47,27 @@ class DraftConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, batched or transformers")
     kv_pool_tokens: int = option(
-        0, "tokens of the KV pool every session reserves from (batched runtime); 0: --max-sessions contexts, at most 1 GiB"
+        0,
+        "tokens of the KV pool every session reserves from (batched runtime); 0: --max-sessions contexts, at most 1 GiB",
     )
     support_size: int = option(32, "K: tokens in each truncated draft distribution sent when sampling")
-    max_sessions: int = option(64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)")
+    max_sessions: int = option(
+        64, "most sessions open at once (more get RESOURCE_EXHAUSTED: that request runs target-only)"
+    )
     session_idle_s: float = option(60.0, "close a session that gets no proposal call for this many seconds; 0: never")
     threads: int = option(
-        1, "torch CPU threads (0: torch's default); one, because a draft step is too small to split and a second "
-        "thread takes a core from the target's forward"
+        1,
+        "torch CPU threads (0: torch's default); one, because a draft step is too small to split and a second "
+        "thread takes a core from the target's forward",
     )
     workers: int = option(
-        80, "gRPC handler threads: each open session's proposal stream holds one (see --max-sessions), short calls use the rest"
+        80,
+        "gRPC handler threads: each open session's proposal stream holds one (see --max-sessions), short calls use the rest",
     )
     grace_s: float = option(5.0, "seconds in-flight calls get to finish after SIGTERM")
-    metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
+    metrics_listen: str = option(
+        "", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none"
+    )
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
@@ -153,7 +160,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         elif isinstance(tokens, Exception):
             self._log.error("the proposal of session %r failed", request.session_id, exc_info=tokens)
             answer.status = grpc.StatusCode.INTERNAL.value[0]
-            answer.detail = f"the draft's proposal failed: an internal error, logged under session {request.session_id!r}"
+            answer.detail = (
+                f"the draft's proposal failed: an internal error, logged under session {request.session_id!r}"
+            )
         else:
             answer.tokens.extend(tokens)
             # The verifier reports acceptance one proposal late: `accepted` is the previous one's.
@@ -161,7 +170,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return answer
 
     def _trace(
-        self, request: draft_pb2.ProposeBatchRequest, answers: list[draft_pb2.SessionProposal], seconds: float, forwards: int
+        self,
+        request: draft_pb2.ProposeBatchRequest,
+        answers: list[draft_pb2.SessionProposal],
+        seconds: float,
+        forwards: int,
     ) -> None:
         """A draft.propose span per session, the child of that session's round span."""
         end = time.time_ns()
@@ -226,7 +239,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             session = getattr(step, "session_id", "")
             self._log.exception("%s of session %r failed", type(step).__name__, session)
             what = type(step).__name__.lower()
-            raise Internal(f"the draft's {what} step failed: an internal error, logged under session {session!r}") from None
+            raise Internal(
+                f"the draft's {what} step failed: an internal error, logged under session {session!r}"
+            ) from None
 
     def _traced(
         self,
@@ -266,7 +281,9 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-draft", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions))
+    model = CausalLM.load(
+        ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions)
+    )
     if model.unbatched_reason:
         log.warning("the draft runs one session per forward (transformers path): %s", model.unbatched_reason)
     step_time_s = model.step_time_s()

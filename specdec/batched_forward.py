@@ -12,7 +12,7 @@ views of the pool (see docs/design.md, "Batched runtime", for what that loop cos
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch

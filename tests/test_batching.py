@@ -95,7 +95,9 @@ def test_a_long_prompt_prefills_in_chunks_beside_the_decoding_streams(default_pa
                 started.wait()
 
         with channel:
-            generate(stub, request(PROMPTS[i], max_new_tokens=400, speculation=False), timeout=120, on_message=on_message)
+            generate(
+                stub, request(PROMPTS[i], max_new_tokens=400, speculation=False), timeout=120, on_message=on_message
+            )
 
     long_prompt = random.Random(5).choices(range(16, 4000), k=1500)
     with ThreadPoolExecutor(4) as pool:

@@ -24,11 +24,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from draft_service.drafter import Close, Drafter, Open, Propose, ProposeBatch
 from specdec import sampling
 from specdec.runtime import CausalLM, ModelSpec
 from specdec.sampling import SamplingParams, gumbel_noise, propose_token, verify_round, warp
 from specdec.toy_models import perturbed_copy
-from draft_service.drafter import Close, Drafter, Open, Propose, ProposeBatch
 from verify_service.verifier import DraftProposal, Prefill, Release, Verifier, Verify
 
 VOCAB = 16

@@ -83,7 +83,9 @@ class Decoder:
         self._drain = drain
         self._log = log
         self.limits = limits
-        self._plan_limits = PlanLimits(model.vocab_size, model.max_positions, limits.max_new_tokens, limits.default_mode)
+        self._plan_limits = PlanLimits(
+            model.vocab_size, model.max_positions, limits.max_new_tokens, limits.default_mode
+        )
         self.lookahead = max(MAX_DRAFT_TOKENS, auto.policy.k_max) + 1  # a proposal's positions past the output
         self.admission: Admission[KVCache] = Admission(limits.admission, self._reserve, self._pool_tokens)
         telemetry = RoundTelemetry(instruments, auto)
@@ -143,7 +145,9 @@ class Decoder:
                 request.expired = True
                 self.totals.expired += 1
         for request in idle:
-            self._log.warning("session %s expired: its caller took no message for %.1f s", request.sid, self.limits.idle_s)
+            self._log.warning(
+                "session %s expired: its caller took no message for %.1f s", request.sid, self.limits.idle_s
+            )
             request.context.cancel()
 
     def plan(self, request: verify_pb2.DecodeRequest) -> Plan:
@@ -209,6 +213,7 @@ class Decoder:
                 state.sending_since = time.monotonic()
                 yield item
                 state.sending_since = None
+                self.loop.sent()
             else:  # the call ended while the request waited for its next round
                 self._call_ended(span, state, deadline)
         except ServiceError as err:
@@ -234,14 +239,21 @@ class Decoder:
             usage = final.usage
             with self._lock:
                 self._finished.append(
-                    Finished(usage.completion_tokens, usage.draft_tokens_proposed, usage.draft_tokens_accepted, usage.rejections)
+                    Finished(
+                        usage.completion_tokens,
+                        usage.draft_tokens_proposed,
+                        usage.draft_tokens_accepted,
+                        usage.rejections,
+                    )
                 )
             yield final
 
     def _call_ended(self, span: trace.Span, state: Request | None, deadline: float | None) -> None:
         """The span says how the call ended under the request: idle, past its deadline or cancelled."""
         if state is not None and state.expired:
-            set_error(span, grpc.StatusCode.CANCELLED, f"expired: the caller took no message for {self.limits.idle_s} s")
+            set_error(
+                span, grpc.StatusCode.CANCELLED, f"expired: the caller took no message for {self.limits.idle_s} s"
+            )
         elif deadline is not None and time.monotonic() >= deadline:
             set_error(span, grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed")
         else:
@@ -273,7 +285,9 @@ class Decoder:
         self, sid: str, plan: Plan, ctx: otel_context.Context
     ) -> tuple[DraftSession | None, common_pb2.Speculation]:
         if plan.mode == common_pb2.SPECULATION_MODE_OFF:
-            return None, target_only(common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request")
+            return None, target_only(
+                common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request"
+            )
         if self._short(plan):
             detail = (
                 f"AUTO: max_new_tokens {plan.max_new_tokens} is at most {self._auto.policy.min_new_tokens} "
@@ -294,5 +308,7 @@ class Decoder:
         if pairing.overrides:
             detail = f"paired under operator override: {', '.join(pairing.overrides)}"
             speculation = common_pb2.Speculation(speculating=True, detail=detail)
-        session = self._draft.open(sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity, inject(ctx), self.loop.wake)
+        session = self._draft.open(
+            sid, plan.prompt_ids, plan.sampling_proto(), plan.capacity, inject(ctx), self.loop.wake
+        )
         return session, speculation

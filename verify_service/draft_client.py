@@ -16,12 +16,18 @@ from typing import Any
 
 import grpc
 
-from specdec.pairing import REFUSAL_FACTS_KEY, PairingPolicy, base_record, decide, describe_refused_draft, transport_of_address
+from specdec.pairing import (
+    REFUSAL_FACTS_KEY,
+    PairingPolicy,
+    base_record,
+    decide,
+    describe_refused_draft,
+    transport_of_address,
+)
 from specdec.serving import channel_options
 from specdec.telemetry import Metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, pairing_pb2
 from verify_service.verifier import DraftProposal
-
 
 RETRY_S = 1.0
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
@@ -159,7 +165,9 @@ class DraftClient:
             if not now and self._lost is not None and time.monotonic() < self._retry_at:
                 raise self._lost
         own = self._own_facts()
-        request = pairing_pb2.PairRequest(verifier=own, allow_different_tokenizer=self._policy.allow_different_tokenizer)
+        request = pairing_pb2.PairRequest(
+            verifier=own, allow_different_tokenizer=self._policy.allow_different_tokenizer
+        )
         timeout_s = wait_s if wait_s > 0 else min(self.deadlines.open_s, RETRY_S)
         try:
             response = self._stub.Pair(request, timeout=timeout_s, wait_for_ready=wait_s > 0)
@@ -318,7 +326,9 @@ class ProposalLink:
             self._requests = queue.SimpleQueue()
             self._stream = self._client._stub.ProposeBatch(iter(self._requests.get, None))
             self._timed_out = self._interrupted = False
-        request = draft_pb2.ProposeBatchRequest(sessions=[r.session.next_request(r.num_tokens, r.traceparent) for r in rounds])
+        request = draft_pb2.ProposeBatchRequest(
+            sessions=[r.session.next_request(r.num_tokens, r.traceparent) for r in rounds]
+        )
         # A session catching up after target-only rounds feeds the tokens it missed first:
         # one more forward, longer than a step, allowed for as if a step each.
         self._steps = max(r.num_tokens + r.session.catch_up for r in rounds)
@@ -335,12 +345,16 @@ class ProposalLink:
             response = next(self._stream)
         except StopIteration:
             self._drop()
-            raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal stream ended early") from None
+            raise DraftLost(
+                common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "draft proposal stream ended early"
+            ) from None
         except grpc.RpcError as error:
             timed_out, interrupted = self._timed_out, self._interrupted
             self._drop()
             if timed_out:
-                raise DraftLost(common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, "draft proposal missed its deadline") from None
+                raise DraftLost(
+                    common_pb2.TARGET_ONLY_REASON_DRAFT_TIMED_OUT, "draft proposal missed its deadline"
+                ) from None
             if interrupted:
                 raise DraftLost.cancelled("proposal") from None
             raise DraftLost.from_rpc(error, "proposal") from None

@@ -10,25 +10,25 @@ import grpc
 import torch
 
 from specdec import defaults
+from specdec.costs import forward_seconds
 from specdec.errors import ServiceError
 from specdec.facts import kv_pool_info, peer_facts
 from specdec.fingerprint import load_fingerprint
 from specdec.flags import option, parse_config
 from specdec.host import HostProbe
-from specdec.pairing import PairingPolicy, base_record
-from specdec.runtime import CausalLM, ModelSpec
-from specdec.costs import forward_seconds
+from specdec.idle import IdleSweeper
 from specdec.metrics import ForwardMetrics, ModeMetrics, SpeculationMetrics, observe_peak_memory, observe_sessions
+from specdec.pairing import PairingPolicy, base_record
+from specdec.requests import SPECULATION_MODES
+from specdec.runtime import CausalLM, ModelSpec
 from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
-from specdec.idle import IdleSweeper
-from specdec.requests import SPECULATION_MODES
 from verify_service.admission import Limits
 from verify_service.auto_mode import AutoPolicy, ServiceAuto
 from verify_service.decoder import DecodeLimits, Decoder, session_kv_budget
-from verify_service.round_telemetry import Instruments
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
+from verify_service.round_telemetry import Instruments
 from verify_service.verifier import Verifier
 
 
@@ -41,16 +41,21 @@ class VerifyConfig:
     dtype: str = option("float32", "model dtype: float32, float16 or bfloat16")
     backend: str = option("auto", "forward implementation: auto, batched or transformers")
     kv_pool_tokens: int = option(
-        0, "tokens of the target's KV pool, preallocated (each request reserves prompt, max_new_tokens and a "
-        "proposal's look-ahead); 0: the context times --max-sessions, at most 1 GiB"
+        0,
+        "tokens of the target's KV pool, preallocated (each request reserves prompt, max_new_tokens and a "
+        "proposal's look-ahead); 0: the context times --max-sessions, at most 1 GiB",
     )
-    prefill_chunk_tokens: int = option(256, "most prompt positions prefilled per forward, beside the decoding requests' rounds")
+    prefill_chunk_tokens: int = option(
+        256, "most prompt positions prefilled per forward, beside the decoding requests' rounds"
+    )
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
     speculation: str = option("auto", "speculation mode of a request that names none: auto, on or off")
     auto_min_new_tokens: int = option(32, "AUTO mode: requests with max_new_tokens at most this run target-only")
     max_sessions: int = option(16, "most requests decoded at once (more wait in the queue); sizes the KV budget")
     max_queued: int = option(16, "most requests waiting for a session slot (more get RESOURCE_EXHAUSTED at once)")
-    session_kv_mib: float = option(0.0, "KV cache one session may reserve, in MiB (larger requests get RESOURCE_EXHAUSTED); 0: the whole context")
+    session_kv_mib: float = option(
+        0.0, "KV cache one session may reserve, in MiB (larger requests get RESOURCE_EXHAUSTED); 0: the whole context"
+    )
     session_idle_s: float = option(60.0, "free a session whose caller takes no message for this many seconds; 0: never")
     require_nvlink: bool = option(False, "refuse a draft on another GPU reached over PCIe only (default: warn)")
     allow_different_tokenizer: bool = option(
@@ -63,12 +68,15 @@ class VerifyConfig:
     draft_deadline_min_ms: float = option(50.0, "the shortest draft deadline of a round, in milliseconds")
     draft_open_timeout_ms: float = option(5000.0, "deadline of the draft's prefill and first proposal, in ms")
     draft_startup_wait_s: float = option(
-        10.0, "at startup, seconds to wait for a draft service that is not listening yet (it is paired later if it comes up later)"
+        10.0,
+        "at startup, seconds to wait for a draft service that is not listening yet (it is paired later if it comes up later)",
     )
     threads: int = option(0, "torch CPU threads; 0 keeps torch's default")
     workers: int = option(64, "gRPC handler threads (one per streaming request)")
     grace_s: float = option(5.0, "seconds in-flight streams get to finish after SIGTERM")
-    metrics_listen: str = option("", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none")
+    metrics_listen: str = option(
+        "", "host:port of the Prometheus /metrics endpoint (port 0: any free port); empty for none"
+    )
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServicer):
@@ -121,7 +129,11 @@ class VerifyServicer(verify_pb2_grpc.VerifyServicer):
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(
-        VerifyConfig, argv, "python -m verify_service", "specdec verify service: target model and round loop", "SPECDEC_VERIFY"
+        VerifyConfig,
+        argv,
+        "python -m verify_service",
+        "specdec verify service: target model and round loop",
+        "SPECDEC_VERIFY",
     )
     return serve(config, HostProbe())
 
@@ -134,7 +146,9 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions))
+    model = CausalLM.load(
+        ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions)
+    )
     if model.unbatched_reason:
         log.warning("the target runs one session per forward (transformers path): %s", model.unbatched_reason)
     tokenizer = load_fingerprint(config.model)
@@ -162,7 +176,9 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
             floor_s=config.draft_deadline_min_ms / 1e3,
             open_s=config.draft_open_timeout_ms / 1e3,
         )
-        pairing_policy = PairingPolicy(config.require_nvlink, config.allow_different_tokenizer, config.allow_memory_pressure)
+        pairing_policy = PairingPolicy(
+            config.require_nvlink, config.allow_different_tokenizer, config.allow_memory_pressure
+        )
         draft = DraftClient(config.draft, deadlines, own_facts, pairing_policy, log)
         try:
             # Pair before serving, so that the first request speculates (services started

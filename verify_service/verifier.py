@@ -104,7 +104,12 @@ class Verifier:
 
     def execute(self, steps: list[Prefill | Verify | Release | Calibrate]) -> list[object]:
         """One step after another: a Prefill opens its session and feeds the whole prompt."""
-        handlers = {Prefill: self._prefill_whole, Verify: self._verify_one, Release: self.release, Calibrate: lambda s: s.measure()}
+        handlers = {
+            Prefill: self._prefill_whole,
+            Verify: self._verify_one,
+            Release: self.release,
+            Calibrate: lambda s: s.measure(),
+        }
         return run_each(steps, handlers)
 
     def open(self, step: Prefill, cache: KVCache | None = None) -> TargetSession:
