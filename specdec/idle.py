@@ -1,6 +1,6 @@
 """The clock of idle-session expiry: calls a sweep a few times per idle period.
 
-Both model services use it: the draft service closes sessions that no Propose has
+Both model services use it: the draft service closes sessions that no proposal has
 touched for the idle period (their verify service died, or its close was lost), the
 verify service frees sessions whose caller has stopped taking messages.
 """

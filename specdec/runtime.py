@@ -6,8 +6,9 @@ new positions of many sessions at once, so no session ever recomputes its prefix
 Llama-family models run on the batched forward of specdec.batched_forward, their caches
 reserved from one preallocated KV pool, unless the generic transformers path is asked for;
 every other model runs on transformers' own forward, one session per forward, and
-`CausalLM.unbatched_reason` says why. Not thread-safe: each service calls it from its one
-engine thread only.
+`CausalLM.unbatched_reason` says why. Not thread-safe, but for the pool's reservations:
+each service runs its forwards on one thread only (the verify service's round loop, the
+draft service's engine).
 """
 
 from __future__ import annotations

@@ -137,3 +137,36 @@ def test_a_draft_session_left_idle_expires_and_the_request_continues_target_only
     after = run(idle, request(PROMPT, max_new_tokens=32))
     assert all(m.speculation.speculating for m in after.messages)
     assert idle.log_path("verify").read_text().count("paired with the draft") == 1  # no re-pairing needed
+
+
+POOL_TOKENS = 300  # one request of N new tokens fits, two do not
+
+
+@pytest.fixture(scope="module")
+def pooled(toy, stack_factory):
+    return stack_factory(toy.target, toy.close, with_draft=False, args={"verify": ["--kv-pool-tokens", str(POOL_TOKENS)]})
+
+
+def test_admission_reserves_kv_pool_tokens_and_info_reports_them(pooled, prompt_ids):
+    """A request reserves prompt + max_new_tokens + a proposal's look-ahead in the target's
+    pool: one that does not fit now waits in the queue, one that could never fit is refused
+    at once naming the flag, and Info shows the pool."""
+    idle = verify_info(pooled).kv_pool
+    assert (idle.capacity_tokens, idle.reserved_tokens, idle.used_tokens) == (POOL_TOKENS, 0, 0)
+    assert idle.bytes == POOL_TOKENS * 2 * 2 * 64 * 4  # the toy target: 2 layers, keys and values, 64 wide, float32
+    reference = run(pooled, request(PROMPT, max_new_tokens=N, speculation=False))
+    lookahead = 16 + 1  # the longest proposal (AUTO's k_max) and its closing token
+    held = HeldDecode(pooled, prompt_ids, N)
+    pool = verify_info(pooled).kv_pool
+    assert pool.reserved_tokens == len(prompt_ids) + N + lookahead
+    assert len(prompt_ids) <= pool.used_tokens < pool.reserved_tokens
+    with ThreadPoolExecutor(1) as executor:
+        waiting = executor.submit(run, pooled, request(PROMPT, max_new_tokens=N, speculation=False))
+        wait_for(lambda: verify_info(pooled).queued_requests == 1, "the second request to wait for the pool")
+        too_big = POOL_TOKENS - len(prompt_ids) - lookahead + 1
+        refused = rpc_error(pooled, request(PROMPT, max_new_tokens=too_big, speculation=False))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-pool-tokens" in refused.details()
+        assert not waiting.done()
+        assert held.drain() == reference.token_ids
+        assert waiting.result().token_ids == reference.token_ids
+    wait_for(lambda: verify_info(pooled).kv_pool.reserved_tokens == 0, "the reservations to be freed")
