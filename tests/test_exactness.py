@@ -219,5 +219,7 @@ def batched_joint_counts(
 def test_first_two_tokens_follow_the_target_through_batched_forwards(models, case):
     draft, params, support = CASES[case]
     joint = exact_joint(models["target"], params)
-    counts = batched_joint_counts(models["target"].model, models[draft].model, params, support, seed=len(case))
+    # models of their own, whose KV pools hold a batch of sessions
+    target, draft_model = (CausalLM(models[name].model.model, name, pool_tokens=BATCH * 16) for name in ("target", draft))
+    counts = batched_joint_counts(target, draft_model, params, support, seed=len(case))
     assert chi_square_p(counts, joint) >= P_MIN

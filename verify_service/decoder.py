@@ -31,7 +31,7 @@ from verify_service.draft_client import DraftClient, DraftLost, DraftSession
 from verify_service.plan import AUTO, Plan, PlanLimits, make_plan
 from verify_service.request_state import ENDED, MAX_AHEAD, SPECULATING, Request, target_only
 from verify_service.round_telemetry import Instruments, RoundTelemetry
-from verify_service.rounds import RoundLoop
+from verify_service.rounds import RoundLoop, Totals
 from verify_service.verifier import Verifier
 
 DEFAULT_RECENT = 100
@@ -96,7 +96,7 @@ class Decoder:
         drain.at_end(self.loop.interrupt)
 
     @property
-    def totals(self):
+    def totals(self) -> Totals:
         return self.loop.totals
 
     @property
@@ -177,6 +177,9 @@ class Decoder:
         timeout = remaining_timeout(context)
         deadline = None if timeout is None else time.monotonic() + timeout
         final = None
+        cache: KVCache | None = None  # reserved at admission; the round loop frees it once handed over
+        draft: DraftSession | None = None
+        handed = False  # to the round loop
         try:
             plan = self.plan(request)
             p = plan.params
@@ -198,6 +201,7 @@ class Decoder:
             with self._lock:
                 self._requests[sid] = state
             self.loop.add(state)
+            handed = True
             if done.is_set():  # ended while it was being admitted
                 state.end()
                 self.loop.ended(state)
@@ -229,9 +233,17 @@ class Decoder:
             self._log.exception("session %r failed", sid)
             raise Internal(f"decoding failed: an internal error, logged under session {sid!r}") from None
         finally:
-            if state is not None:
+            if handed:
                 state.end()  # the loop drops it at the next step if it has not retired it
                 self.loop.ended(state)
+            elif cache is not None:  # admitted, never handed to the round loop
+                if state is not None:
+                    with self._lock:
+                        self._requests.pop(state.sid, None)
+                if draft is not None:
+                    draft.close()
+                cache.release()
+                self.admission.release()
             if final is not None:
                 span.set_attributes(attrs.usage(final.usage, final.finish_reason))
             span.end()

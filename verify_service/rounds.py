@@ -235,10 +235,10 @@ class RoundLoop:
 
     def _await_send(self, request: Request) -> None:
         """A lone request's forward waits until its last chunk has left: with nothing else
-        to run, overlapping the two only makes them contend for the cores (measured on the
-        2-core CPU: target-only tokens/s 0.89-0.96x the one-thread-per-request code before
-        the loop, 0.99x waiting). Its draft's proposal was asked for already and computes
-        meanwhile. A request that arrives ends the wait."""
+        to run, overlapping the two gains nothing and makes them contend for the cores (on
+        the 2-core CPU, the forward's two OpenMP threads stall while the send runs). Its
+        draft's proposal was asked for already and computes meanwhile. A request that
+        arrives ends the wait."""
         with self._cond:
             while (request.outbox.qsize() or request.sending_since is not None) and not (
                 request.ended.is_set() or self._incoming or self._stopping
@@ -248,9 +248,7 @@ class RoundLoop:
     def _plan(self, finishing: set[str], emitting: set[str]) -> None:
         """Chooses the next round of every request that can run one and asks the draft for
         the proposals in one message (the step that runs them waits for the answer)."""
-        planned = [
-            r for r in self._active if r.sid not in finishing and self._ready(r, r.sid in emitting)
-        ]  # fmt: skip
+        planned = [r for r in self._active if r.sid not in finishing and self._ready(r, r.sid in emitting)]
         for request in planned:
             self._begin_round(request)
         self._planned = planned
