@@ -28,10 +28,12 @@ class PoolExhausted(ResourceExhausted):
 @dataclass
 class Reservation:
     """A session's run of the pool: tokens offset .. offset+tokens-1, of which the first
-    `length` hold keys and values."""
+    `length` hold keys and values; `held` tokens are kept from other sessions (a whole
+    slot in a slotted pool)."""
 
     offset: int
     tokens: int
+    held: int
     length: int = 0
     released: bool = False
 
@@ -39,7 +41,7 @@ class Reservation:
 @dataclass(frozen=True)
 class PoolStats:
     capacity_tokens: int
-    reserved_tokens: int
+    reserved_tokens: int  # held by sessions (whole slots in a slotted pool)
     used_tokens: int  # sum of the sessions' lengths
     bytes: int  # of the pool tensor
 
@@ -53,10 +55,23 @@ class KVPool:
     queue is applied under the lock by whoever holds it next."""
 
     def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device: torch.device
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slot_tokens: int = 0,
     ) -> None:
+        """slot_tokens > 0: every reservation takes a whole slot of that many tokens, at a
+        multiple of it. Runs of varied lengths fragment a pool (a hole left by a shorter
+        request fits no longer one), so that sessions wait although tokens are free; slots
+        as long as the longest reservation never do. 0: runs as long as asked, first fit."""
         if tokens < 1:
             raise ValueError(f"a KV pool needs at least one token, got {tokens}")
+        if not 0 <= slot_tokens <= tokens:
+            raise ValueError(f"slot_tokens must be in 0..{tokens}, got {slot_tokens}")
         # empty, not zeros: no position is read before a forward wrote it, and zeroing would
         # touch every page now and run an OpenMP region on the loading thread (see
         # batched_forward.BatchedForward.prepare for why that matters).
@@ -65,6 +80,7 @@ class KVPool:
         # with a tuple in every layer of every step costs more than a draft's attention.
         self.layer_kv = list(self.kv.unbind(0))
         self.capacity_tokens = tokens
+        self.slot_tokens = slot_tokens
         self._free: list[tuple[int, int]] = [(0, tokens)]  # (offset, tokens), sorted by offset
         self._live: dict[int, Reservation] = {}
         self._lock = threading.Lock()
@@ -78,7 +94,21 @@ class KVPool:
         """Whether a reservation of this many tokens would succeed now."""
         with self._lock:
             self._apply_releases()
-            return any(run >= tokens for _, run in self._free)
+            return self._find(tokens) is not None
+
+    def _held(self, tokens: int) -> int:
+        return self.slot_tokens if self.slot_tokens and tokens <= self.slot_tokens else tokens
+
+    def _find(self, tokens: int) -> tuple[int, int] | None:
+        """(index in the free list, offset) of the first run that can hold the reservation."""
+        held = self._held(tokens)
+        for i, (offset, run) in enumerate(self._free):
+            start = offset
+            if self.slot_tokens and tokens <= self.slot_tokens:
+                start = -(-offset // self.slot_tokens) * self.slot_tokens  # the next slot boundary
+            if start + held <= offset + run:
+                return i, start
+        return None
 
     def reserve(self, tokens: int) -> Reservation:
         """First-fit run of `tokens` positions; PoolExhausted when no free run is long enough."""
@@ -89,20 +119,25 @@ class KVPool:
             return self._reserve(tokens)
 
     def _reserve(self, tokens: int) -> Reservation:
-        for i, (offset, run) in enumerate(self._free):
-            if run >= tokens:
-                if run == tokens:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + tokens, run - tokens)
-                self._live[offset] = Reservation(offset, tokens)
-                return self._live[offset]
-        free = sum(run for _, run in self._free)
-        largest = max((run for _, run in self._free), default=0)
-        raise PoolExhausted(
-            f"the KV pool cannot reserve {tokens} tokens: {free} of its {self.capacity_tokens} are free, the "
-            f"largest free run {largest}; free sessions or raise {POOL_FLAG}"
-        )
+        found = self._find(tokens)
+        if found is None:
+            free = sum(run for _, run in self._free)
+            largest = max((run for _, run in self._free), default=0)
+            slots = f" in slots of {self.slot_tokens}" if self.slot_tokens else ""
+            raise PoolExhausted(
+                f"the KV pool cannot reserve {tokens} tokens{slots}: {free} of its {self.capacity_tokens} are free, "
+                f"the largest free run {largest}; free sessions or raise {POOL_FLAG}"
+            )
+        i, start = found
+        offset, run = self._free.pop(i)
+        held = self._held(tokens)
+        if start > offset:  # the part of the run before the slot stays free
+            self._free.insert(i, (offset, start - offset))
+            i += 1
+        if start + held < offset + run:
+            self._free.insert(i, (start + held, offset + run - start - held))
+        self._live[start] = Reservation(start, tokens, held)
+        return self._live[start]
 
     def release(self, reservation: Reservation) -> None:
         """Returns the run to the free list, merged with free neighbours. Idempotent."""
@@ -122,7 +157,7 @@ class KVPool:
             return
         reservation.released = True
         del self._live[reservation.offset]
-        start, end = reservation.offset, reservation.offset + reservation.tokens
+        start, end = reservation.offset, reservation.offset + reservation.held
         i = bisect.bisect_left(self._free, (start, 0))
         if i < len(self._free) and self._free[i][0] == end:  # the run after
             end += self._free.pop(i)[1]
@@ -139,7 +174,7 @@ class KVPool:
     def _stats(self) -> PoolStats:
         return PoolStats(
             capacity_tokens=self.capacity_tokens,
-            reserved_tokens=sum(r.tokens for r in self._live.values()),
+            reserved_tokens=sum(r.held for r in self._live.values()),
             used_tokens=sum(r.length for r in self._live.values()),
             bytes=self.kv.nbytes,
         )

@@ -44,6 +44,9 @@ class ModelSpec:
     # times pool_contexts, capped at DEFAULT_POOL_MAX_BYTES (never under one context).
     pool_tokens: int = 0
     pool_contexts: int = DEFAULT_POOL_CONTEXTS  # a service passes its most sessions: none waits for the pool by default
+    # Each session takes a slot of a whole context (at most the pool): the services' pools,
+    # which must not fragment; False: runs as long as asked.
+    pool_slots: bool = False
 
 
 class KVCache:
@@ -102,7 +105,7 @@ class KVCache:
     def nbytes(self) -> int:
         """Memory held by the keys and values (a pooled cache: its whole reservation)."""
         if self._reservation is not None:
-            return 0 if self._reservation.released else self._reservation.tokens * self._bytes_per_token
+            return 0 if self._reservation.released else self._reservation.held * self._bytes_per_token
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.state.layers if layer.is_initialized)
 
 
@@ -112,6 +115,7 @@ class CausalLM:
     def __init__(
         self, model: PreTrainedModel, name: str, backend: str = "auto", pool_tokens: int = 0,
         pool_contexts: int = DEFAULT_POOL_CONTEXTS,
+        pool_slots: bool = False,
     ) -> None:  # fmt: skip
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -132,7 +136,8 @@ class CausalLM:
             self._batched = BatchedForward(model_families.describe(model))
             d = self._batched.d
             tokens = pool_tokens or self._default_pool_tokens(pool_contexts)
-            self._pool = KVPool(len(d.layers), d.kv_heads, d.head_dim, tokens, self.dtype, self.device)
+            slot = min(self.max_positions, tokens) if pool_slots else 0
+            self._pool = KVPool(len(d.layers), d.kv_heads, d.head_dim, tokens, self.dtype, self.device, slot)
         self.backend = "batched" if self._batched is not None else "transformers"
 
     @classmethod
@@ -140,7 +145,9 @@ class CausalLM:
         if spec.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=DTYPES[spec.dtype])
-        return cls(model.to(spec.device), spec.path, spec.backend, spec.pool_tokens, spec.pool_contexts)
+        return cls(
+            model.to(spec.device), spec.path, spec.backend, spec.pool_tokens, spec.pool_contexts, spec.pool_slots
+        )
 
     def _default_pool_tokens(self, contexts: int) -> int:
         tokens = contexts * self.max_positions

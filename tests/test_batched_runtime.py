@@ -285,3 +285,16 @@ def test_forward_equals_a_batch_of_one(tmp_path):
     a, b = model.new_cache(), model.new_cache()
     assert torch.equal(model.forward(a, [1, 2, 3]), model.forward_batch([b], [[1, 2, 3]])[0])
     assert torch.equal(model.forward(a, [4]), model.forward_batch([b], [[4]])[0])
+
+
+def test_a_slotted_pool_gives_each_session_a_whole_slot_and_never_fragments():
+    pool = KVPool(1, 1, 2, 100, torch.float32, torch.device("cpu"), slot_tokens=30)
+    a, b, c = (pool.reserve(n) for n in (10, 30, 25))
+    assert [r.offset for r in (a, b, c)] == [0, 30, 60]
+    assert pool.stats().reserved_tokens == 90  # whole slots
+    assert not pool.fits(11)  # 10 tokens left, no slot
+    pool.release(b)
+    d = pool.reserve(29)  # the freed slot, whatever the lengths before
+    assert d.offset == 30
+    with pytest.raises(PoolExhausted, match="in slots of 30"):
+        pool.reserve(1)

@@ -147,7 +147,15 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     model = CausalLM.load(
-        ModelSpec(config.model, config.device, config.dtype, config.backend, config.kv_pool_tokens, config.max_sessions)
+        ModelSpec(
+            config.model,
+            config.device,
+            config.dtype,
+            config.backend,
+            config.kv_pool_tokens,
+            config.max_sessions,
+            pool_slots=True,
+        )
     )
     if model.unbatched_reason:
         log.warning("the target runs one session per forward (transformers path): %s", model.unbatched_reason)
