@@ -113,6 +113,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     return torch.bmm(weights if weights.dtype == values.dtype else weights.to(values.dtype), values)
 
 
+class _Padded(NamedTuple):
+    """A step's rows laid out for one attention over every slot of the pool."""
+
+    slots: int
+    slot_tokens: int
+    longest_n: int  # new positions of the longest session: each slot's padded rows
+    keys: int  # positions of the longest cache after this step: the keys attended over
+    flat: torch.Tensor  # [rows]: each row's index among the slots * longest_n padded rows
+    masked: torch.Tensor  # [slots, longest_n, keys] bool: keys a padded row must not see
+
+
 class _Session(NamedTuple):
     """Where one segment's rows, keys and mask are, computed once a forward."""
 
@@ -199,15 +210,16 @@ class BatchedForward:
             self._inv_freq = self.d.rope.inv_freq.to(self.device)
         self._layers = layers
 
-    def forward(self, segments: Sequence[Segment], layer_kv: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, segments: Sequence[Segment], layer_kv: list[torch.Tensor], slot_tokens: int = 0) -> torch.Tensor:
         """Logits [rows, V] of every segment's ids, segment after segment; writes their keys
-        and values into the pool layers layer_kv ([2, KV, tokens, D] each) at their slots."""
+        and values into the pool layers layer_kv ([2, KV, tokens, D] each) at their slots.
+        slot_tokens: the pool's slot size when every session holds a slot (0: none)."""
         if self._layers is None:
             self.prepare()
         if len(segments) == 1 and len(segments[0].ids) == 1:
             x = self._step(segments[0], layer_kv)
         else:
-            x = self._rows(segments, layer_kv)
+            x = self._rows(segments, layer_kv, self._padded_plan(segments, layer_kv, slot_tokens))
         x = self._norm(x, *self._final_norm)
         return _packed_linear(None, x, self._head) if self.pack else torch.mm(x, self._head)
 
@@ -289,8 +301,70 @@ class BatchedForward:
         first = keys - n
         return self._causal[first : first + n, :keys]
 
-    def _rows(self, segments: Sequence[Segment], layer_kv: list[torch.Tensor]) -> torch.Tensor:
-        """The blocks over the rows of every segment, [rows, C]: prefills, verifies, batches."""
+    def _padded_plan(
+        self, segments: Sequence[Segment], layer_kv: list[torch.Tensor], slot_tokens: int
+    ) -> _Padded | None:
+        """Where a step's rows go in one padded attention over every slot of the pool, or None
+        where the loop over sessions is the better choice: no slots, a sliding window, a
+        prompt chunk among the rows (its padding would cost more than the loop), or a step
+        that fills less than half the slots."""
+        tokens = layer_kv[0].shape[2]
+        if not slot_tokens or tokens % slot_tokens or self.d.sliding_window is not None or len(segments) < 2:
+            return None
+        slots = tokens // slot_tokens
+        longest_n = max(len(s.ids) for s in segments)
+        if 2 * len(segments) < slots or longest_n > MATMUL_ATTENTION_MAX_POSITIONS:
+            return None
+        if any(s.offset % slot_tokens for s in segments):
+            return None
+        keys = max(s.start + len(s.ids) for s in segments)
+        flat, query_position = [], torch.full((slots, longest_n), 0, dtype=torch.long)
+        for s in segments:
+            slot, n = s.offset // slot_tokens, len(s.ids)
+            flat += range(slot * longest_n, slot * longest_n + n)
+            query_position[slot, :n] = torch.arange(s.start, s.start + n)
+        # Masked: keys after a query's position (its own session's future, and past its
+        # length). A padded row sees key 0 only, so that its softmax stays finite.
+        masked = torch.arange(keys)[None, None, :] > query_position[:, :, None]
+        return _Padded(
+            slots, slot_tokens, longest_n, keys,
+            torch.tensor(flat, dtype=torch.long, device=self.device), masked.to(self.device),
+        )  # fmt: skip
+
+    def _attend_padded(self, q: torch.Tensor, kv: torch.Tensor, plan: _Padded) -> torch.Tensor:
+        """Every session's attention in one computation over all slots: q [H, rows, D] ->
+        [H, rows, D]. Keys and values are a view of the pool, [KV * slots, keys, D]."""
+        kv_heads, group, dim, n, slots = self.kv_heads, self.group, self.head_dim, plan.longest_n, plan.slots
+        padded = q.new_zeros(self.heads, slots * n, dim).index_copy_(1, plan.flat, q)
+        if group > 1:  # [H, slots*n, D] -> [KV * slots, group * n, D]
+            padded = (
+                padded.view(kv_heads, group, slots, n, dim).transpose(1, 2).reshape(kv_heads * slots, group * n, dim)
+            )
+        else:
+            padded = padded.view(kv_heads * slots, n, dim)
+        keys, values = (
+            half.view(kv_heads, slots, plan.slot_tokens, dim)[:, :, : plan.keys].reshape(
+                kv_heads * slots, plan.keys, dim
+            )
+            for half in kv
+        )
+        scores = torch.bmm(padded, keys.transpose(1, 2))
+        if scores.dtype != torch.float32:
+            scores = scores.float()
+        scores.view(kv_heads, slots, group, n, plan.keys).masked_fill_(plan.masked[None, :, None], float("-inf"))
+        weights = torch.softmax(scores, -1)
+        out = torch.bmm(weights if weights.dtype == values.dtype else weights.to(values.dtype), values)
+        if group > 1:  # back to [H, slots*n, D]
+            out = out.view(kv_heads, slots, group, n, dim).transpose(1, 2).reshape(self.heads, slots * n, dim)
+        else:
+            out = out.view(self.heads, slots * n, dim)
+        return out.index_select(1, plan.flat)
+
+    def _rows(
+        self, segments: Sequence[Segment], layer_kv: list[torch.Tensor], padded: _Padded | None = None
+    ) -> torch.Tensor:
+        """The blocks over the rows of every segment, [rows, C]: prefills, verifies, batches;
+        attention padded over the pool's slots where `padded` says how, else a loop."""
         heads, dim = self.heads, self.head_dim
         window = self.d.sliding_window
         sessions, first_row = [], 0
@@ -330,7 +404,10 @@ class BatchedForward:
                 attended = self._attend_session(q, kv, sessions[0])
             else:
                 kv.index_copy_(2, slots, new_kv)  # every session's new keys and values at once
-                attended = torch.cat([self._attend_session(q, kv, session) for session in sessions], 1)
+                if padded is not None:
+                    attended = self._attend_padded(q, kv, padded)
+                else:
+                    attended = torch.cat([self._attend_session(q, kv, session) for session in sessions], 1)
             x = self._rest_of_block(x, attended.transpose(0, 1).reshape(rows, heads * dim), layer)
         return x
 

@@ -72,10 +72,12 @@ class KVPool:
             raise ValueError(f"a KV pool needs at least one token, got {tokens}")
         if not 0 <= slot_tokens <= tokens:
             raise ValueError(f"slot_tokens must be in 0..{tokens}, got {slot_tokens}")
-        # empty, not zeros: no position is read before a forward wrote it, and zeroing would
-        # touch every page now and run an OpenMP region on the loading thread (see
-        # batched_forward.BatchedForward.prepare for why that matters).
+        # empty here, zeroed by the model's first forward (`zero_once`): zeroing now would run
+        # an OpenMP region on the loading thread (see batched_forward.BatchedForward.prepare
+        # for why that matters). A padded attention multiplies positions no forward wrote
+        # by a weight of 0, which must not meet a NaN left in fresh memory.
         self.kv = torch.empty(layers, 2, kv_heads, tokens, head_dim, dtype=dtype, device=device)
+        self._zeroed = False
         # Each layer's [2, kv_heads, tokens, head_dim] view, made once: indexing the pool
         # with a tuple in every layer of every step costs more than a draft's attention.
         self.layer_kv = list(self.kv.unbind(0))
@@ -85,6 +87,12 @@ class KVPool:
         self._live: dict[int, Reservation] = {}
         self._lock = threading.Lock()
         self._released: list[Reservation] = []  # queued by release(), applied under the lock
+
+    def zero_once(self) -> None:
+        """Zeroes the pool before its first use (on the thread that runs the model)."""
+        if not self._zeroed:
+            self.kv.zero_()
+            self._zeroed = True
 
     @property
     def bytes_per_token(self) -> int:

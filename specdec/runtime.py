@@ -215,6 +215,7 @@ class CausalLM:
         forward_batch of one, without its lists (a draft's step is short)."""
         self._check(0, cache, ids)
         if self._batched is not None:
+            self._pool.zero_once()
             logits = self._batched.forward((Segment(cache.offset, cache.length, ids),), self._pool.layer_kv)
         else:
             logits = self._generic(cache, ids)
@@ -238,7 +239,8 @@ class CausalLM:
             self._check(i, cache, ids_i)
         if self._batched is not None:
             segments = [Segment(cache.offset, cache.length, ids_i) for cache, ids_i in zip(caches, ids)]
-            logits = self._batched.forward(segments, self._pool.layer_kv).float()
+            self._pool.zero_once()
+            logits = self._batched.forward(segments, self._pool.layer_kv, self._pool.slot_tokens).float()
             out = list(logits.split([len(ids_i) for ids_i in ids]))
         else:
             out = [self._generic(cache, ids_i).float() for cache, ids_i in zip(caches, ids)]

@@ -298,3 +298,22 @@ def test_a_slotted_pool_gives_each_session_a_whole_slot_and_never_fragments():
     assert d.offset == 30
     with pytest.raises(PoolExhausted, match="in slots of 30"):
         pool.reserve(1)
+
+
+@pytest.mark.parametrize("feature", sorted(f for f in SUPPORTED if "window" not in f))
+def test_padded_attention_over_slots_matches_the_loop(feature, tmp_path, monkeypatch):
+    """With every session in a slot of the pool, a step's attention is one padded, masked
+    computation over all slots: ragged rounds after rollbacks give transformers' logits
+    (run_rounds checks) and the loop's within VS_ALONE_ATOL, and the padded path ran."""
+    path = save(SUPPORTED[feature], tmp_path / feature)
+    loop = CausalLM.load(ModelSpec(path))
+    slotted = CausalLM.load(ModelSpec(path, pool_tokens=4 * 128, pool_slots=True))
+    assert slotted._pool.slot_tokens == 128
+    calls = []
+    padded = slotted._batched._attend_padded
+    monkeypatch.setattr(slotted._batched, "_attend_padded", lambda *args: calls.append(1) or padded(*args))
+    got, expected = run_rounds(slotted, batched=True), run_rounds(loop, batched=True)
+    assert calls  # the padded path carried the batched rounds
+    for session_got, session_expected in zip(got, expected):
+        for (start, a), (_, b) in zip(session_got, session_expected):
+            assert (a - b).abs().max().item() < VS_ALONE_ATOL, (start, (a - b).abs().max().item())
