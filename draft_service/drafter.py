@@ -147,7 +147,7 @@ class Drafter:
             except Exception as exc:
                 results[i] = exc
         shapes: list[tuple[int, int]] = []
-        while proposing := [(i, s, item) for i, s, item in proposing if len(results[i]) < item.num_tokens]:  # type: ignore[arg-type]
+        while proposing := [(i, s, it) for i, s, it in proposing if _proposing(results[i], it.num_tokens)]:
             caches = [session.cache for _, session, _ in proposing]
             feeds = [session.tokens[session.cache.length :] for _, session, _ in proposing]
             try:
@@ -220,6 +220,11 @@ class Drafter:
             session.cache.release()
             _remember(self.expired, sid, now - session.last_used)
         return idle
+
+
+def _proposing(result: list[draft_pb2.DraftToken] | Exception, num_tokens: int) -> bool:
+    """Whether a session of a batch still proposes: it has not failed nor finished."""
+    return not isinstance(result, Exception) and len(result) < num_tokens
 
 
 def _remember(memory: OrderedDict, key: str, value: object) -> None:

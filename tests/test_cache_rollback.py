@@ -76,3 +76,31 @@ def test_drafter_rollback_equals_recompute(far):
     session = drafter.sessions["d"]
     assert session.tokens == committed + expected
     assert session.cache.length == len(session.tokens) - 1
+
+
+def test_a_session_that_fails_inside_a_draft_batch_leaves_the_others_their_proposals(far, monkeypatch):
+    """One session's sampling raises on its second draft token: it gets its exception, the
+    other sessions of the batch still get all their tokens, the same as proposed alone."""
+    from draft_service import drafter as drafter_module
+    from draft_service.drafter import ProposeBatch
+
+    params = SamplingParams()
+    alone = Drafter(far, support_size=8)
+    for sid in ("a", "c"):
+        alone.open(Open(sid, [5, 6, 7], params, seed=1, capacity=64))
+    expected = {sid: [t.id for t in alone.propose(Propose(sid, 0, [], 3))] for sid in ("a", "c")}
+
+    drafter = Drafter(far, support_size=8)
+    for sid in ("a", "b", "c"):
+        drafter.open(Open(sid, [5, 6, 7], params, seed=1, capacity=64))
+    choose = drafter_module.Drafter._choose
+
+    def failing(self, session, logits):
+        if session is drafter.sessions["b"] and len(session.tokens) > session.committed:
+            raise RuntimeError("sampling failed")
+        return choose(self, session, logits)
+
+    monkeypatch.setattr(drafter_module.Drafter, "_choose", failing)
+    results = drafter.propose_batch(ProposeBatch([Propose(sid, 0, [], 3) for sid in ("a", "b", "c")])).tokens
+    assert isinstance(results[1], RuntimeError)
+    assert {sid: [t.id for t in r] for sid, r in zip(("a", "c"), (results[0], results[2]))} == expected
