@@ -281,19 +281,15 @@ def serve(config: DraftConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-draft", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(
-        ModelSpec(
-            config.model,
-            config.device,
-            config.dtype,
-            config.backend,
-            config.kv_pool_tokens,
-            config.max_sessions,
-            pool_slots=True,
-        )
+    spec = ModelSpec(
+        config.model,
+        config.device,
+        config.dtype,
+        config.backend,
+        config.kv_pool_tokens,
+        config.max_sessions,
     )
-    if model.unbatched_reason:
-        log.warning("the draft runs one session per forward (transformers path): %s", model.unbatched_reason)
+    model = CausalLM.load_for_service(spec, "draft", log)
     step_time_s = model.step_time_s()
     drafter = Drafter(model, config.support_size, config.max_sessions)
     engine = Engine(drafter.execute, "draft-engine", inline=torch.get_num_threads() == 1)

@@ -13,10 +13,12 @@ draft service's engine).
 
 from __future__ import annotations
 
+import logging
+
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -148,6 +150,15 @@ class CausalLM:
         return cls(
             model.to(spec.device), spec.path, spec.backend, spec.pool_tokens, spec.pool_contexts, spec.pool_slots
         )
+
+    @classmethod
+    def load_for_service(cls, spec: ModelSpec, role: str, log: logging.Logger) -> CausalLM:
+        """A model service's model: one slot of its pool per session (so the pool never
+        fragments), and a warning in the log when it cannot run batched."""
+        model = cls.load(replace(spec, pool_slots=True))
+        if model.unbatched_reason:
+            log.warning("the %s runs one session per forward (transformers path): %s", role, model.unbatched_reason)
+        return model
 
     def _default_pool_tokens(self, contexts: int) -> int:
         tokens = contexts * self.max_positions

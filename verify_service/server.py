@@ -146,19 +146,15 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = CausalLM.load(
-        ModelSpec(
-            config.model,
-            config.device,
-            config.dtype,
-            config.backend,
-            config.kv_pool_tokens,
-            config.max_sessions,
-            pool_slots=True,
-        )
+    spec = ModelSpec(
+        config.model,
+        config.device,
+        config.dtype,
+        config.backend,
+        config.kv_pool_tokens,
+        config.max_sessions,
     )
-    if model.unbatched_reason:
-        log.warning("the target runs one session per forward (transformers path): %s", model.unbatched_reason)
+    model = CausalLM.load_for_service(spec, "target", log)
     tokenizer = load_fingerprint(config.model)
     limits = DecodeLimits(
         max_new_tokens=config.max_new_tokens_limit,
