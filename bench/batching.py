@@ -2,7 +2,8 @@
 request at a time and with 16 in flight, through the services and in process.
 
     python -m bench.batching --json bench/results/cpu/batching.json
-    python -m bench.batching --baseline /path/to/an/older/checkout   # single-stream A/B
+    python -m bench.batching --baseline /path/to/an/older/checkout   # with an A/B at 1 and 16
+    python -m bench.batching --baseline /path/to/an/older/checkout --pairs 8 --launches 6
 
 Work: 32 distinct held-out prompts (the committed ones, then the same files' prompts
 without their first line) x 128 greedy tokens. tokens/s = completion tokens / wall time
@@ -12,8 +13,13 @@ turn; the report gives medians over repeats and the ratios of medians:
              time to first token and inter-token latency p50/p99
   in process target-only rounds on the batched runtime and the verifier's lockstep
              forward, no RPC: the ceiling of what the services can reach
-  baseline   (with --baseline) the same single-stream runs on the services of another
-             checkout, started beside ours: does one stream lose anything?
+  baseline   (with --baseline) the same runs on the services of another checkout,
+             started beside ours
+  pairs      (with --baseline and --pairs) one stream alone, ours against the baseline's:
+             alternating pairs of runs of 4 prompts, both stacks started afresh for every
+             launch. A process's speed at one forward moves by several percent from one
+             start to the next (where its weights and pool landed in memory), so pairs
+             from one launch measure that launch's luck; the ratios pool every launch's.
 """
 
 from __future__ import annotations
@@ -147,6 +153,46 @@ def start_stack(checkout: Path | None, threads: int) -> Stack:
     return stack
 
 
+def single_stream_pairs(baseline: Path, prompts: list[str], launches: int, pairs: int, threads: int) -> dict:
+    """ours / baseline tokens/s of one stream alone, per mode: every pair runs the same 4
+    prompts on both stacks, in alternating order; medians and quartiles over all pairs."""
+    ratios: dict[str, list[float]] = {mode: [] for mode in ("target-only", "on-k4")}
+    launch_medians: dict[str, list[float]] = {mode: [] for mode in ratios}
+    for launch in range(launches):
+        stacks = {"ours": start_stack(None, threads), "baseline": start_stack(baseline, threads)}
+        try:
+            for mode in ratios:
+                for stack in stacks.values():  # warm: the first requests pay one-time costs
+                    through_services(stack.config.gateway_address, prompts[:2], 1, mode)
+            for mode in ratios:
+                these = []
+                for i in range(pairs):
+                    work = [prompts[(4 * (launch * pairs + i) + j) % len(prompts)] for j in range(4)]
+                    order = list(stacks.items()) if i % 2 == 0 else list(stacks.items())[::-1]
+                    tps = {
+                        name: through_services(s.config.gateway_address, work, 1, mode)["tokens_per_s"]
+                        for name, s in order
+                    }
+                    these.append(tps["ours"] / tps["baseline"])
+                ratios[mode] += these
+                launch_medians[mode].append(statistics.median(these))
+                print(
+                    f"[launch {launch + 1}/{launches}] {mode}: ours / baseline median {launch_medians[mode][-1]:.3f}",
+                    flush=True,
+                )
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    report = {}
+    for mode, rs in ratios.items():
+        q1, _, q3 = statistics.quantiles(rs, n=4)
+        report[mode] = {
+            "median": round(statistics.median(rs), 3), "quartiles": [round(q1, 3), round(q3, 3)], "pairs": len(rs),
+            "launch_medians": [round(m, 3) for m in launch_medians[mode]],
+        }  # fmt: skip
+    return report
+
+
 def summarize(runs: dict[str, list[dict]]) -> dict:
     medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
     ttft_p99 = {
@@ -180,9 +226,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="the verify service's torch threads (0: its default)")
     parser.add_argument("--baseline", default="", help="another checkout whose services run beside ours, single stream")
+    parser.add_argument(
+        "--pairs", type=int, default=0, help="with --baseline: only the single-stream A/B, pairs a launch"
+    )
+    parser.add_argument("--launches", type=int, default=6, help="with --pairs: fresh starts of both stacks")
     parser.add_argument("--json", default="", help="write the report to this file")
     args = parser.parse_args(argv)
     prompts = distinct_prompts(PROMPTS)
+    machine = {"cpu": host.cpu_model(), "cpus": torch.get_num_threads(), "torch": torch.__version__}
+    if args.pairs:
+        if not args.baseline:
+            parser.error("--pairs needs --baseline")
+        work = {"prompts_per_run": 4, "max_new_tokens": MAX_NEW_TOKENS, "greedy": True, "launches": args.launches}
+        report = {"machine": machine, "work": work, "single_stream_ours_over_baseline": single_stream_pairs(
+            Path(args.baseline), prompts, args.launches, args.pairs, args.threads
+        )}  # fmt: skip
+        print(json.dumps(report, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     tokenizer = AutoTokenizer.from_pretrained(defaults.DEFAULT_TARGET)
     prompt_ids = [tokenizer.encode(p) for p in prompts]
     model = CausalLM.load(ModelSpec(defaults.DEFAULT_TARGET))
@@ -213,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for stack in stacks.values():
             stack.stop()
     report = {
-        "machine": {"cpu": host.cpu_model(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": machine,
         "work": {"prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS, "in_flight": args.in_flight, "greedy": True},
         **summarize(runs),
         "runs": runs,
