@@ -1,0 +1,129 @@
+"""The performance model of a batched step (docs/design.md, "AUTO for a batch"): which k
+each session of a step runs so that the step commits the most tokens per second.
+
+Terms (each session i of the step, n sessions):
+  α_i   the session's per-position acceptance probability (its α̂)
+  k_i   draft tokens it proposes this step (0: it runs target-only this step)
+  K     max k_i: the draft runs K batched steps, step j carrying the sessions with k_i ≥ j
+  E_i   = E(α_i, k_i) = (1 - α_i^(k_i+1)) / (1 - α_i), its expected committed tokens
+  T(k)  = rest + draft_fixed·K + draft_per_session·Σk_i + verify(n + Σk_i), the step's
+          expected seconds: its own overhead, the K draft steps (each a fixed cost plus one
+          per session in it, so the draft's work is draft_fixed·K + draft_per_session·Σk_i),
+          and one target forward over every session's k_i + 1 positions
+  goodput = Σ E_i / T(k), committed tokens per second
+
+The chooser maximises goodput exactly when verify is convex in its rows (a forward's cost
+per extra row does not fall as rows are added), which `StepCosts` enforces by taking the
+lower convex hull of the measured points. Dinkelbach's method: for the current goodput λ,
+maximise Σ E_i - λ·T(k) over k; for each K that splits into a marginal allocation (the
+step's extra rows go, one at a time, to the session whose next draft token is likeliest
+to be kept, α_i^(k_i+1), while that beats λ times the row's cost: the kept-token values
+fall and the costs do not, so the greedy prefix is optimal), then λ becomes the goodput of
+the best k, until it stops rising. With one session it is specdec.speculation_gain's
+E(k) / (k·c + v(k)) in seconds instead of target-only tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdec.speculation_gain import expected_tokens
+
+
+def _lower_hull(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of (rows, seconds) points sorted by rows."""
+    hull: list[tuple[int, float]] = []
+    for x, y in points:
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (y2 - y1) * (x - x1) >= (y - y1) * (x2 - x1):  # hull[-1] is on or above the chord
+                hull.pop()
+            else:
+                break
+        hull.append((x, y))
+    return hull
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A step's costs, in seconds. verify_points: (rows, seconds of a target forward over
+    that many rows) for this step's sessions and contexts, at least one point; between
+    points the cost is linear, beyond the last it grows at the last segment's slope."""
+
+    verify_points: tuple[tuple[int, float], ...]
+    draft_fixed: float = 0.0  # one batched draft step's cost regardless of its sessions
+    draft_per_session: float = 0.0  # what each session in a draft step adds
+    rest: float = 0.0  # the step's overhead beyond its forwards (RPC, Python)
+    _hull: list[tuple[int, float]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.verify_points:
+            raise ValueError("StepCosts needs at least one verify point")
+        object.__setattr__(self, "_hull", _lower_hull(sorted(self.verify_points)))
+
+    def verify(self, rows: int) -> float:
+        """Seconds of one target forward over `rows` rows (the convex hull of the points)."""
+        hull = self._hull
+        if len(hull) == 1:
+            return hull[0][1]
+        i = min(max(bisect.bisect_left(hull, (rows, float("-inf"))), 1), len(hull) - 1)
+        (x1, y1), (x2, y2) = hull[i - 1], hull[i]
+        return y1 + (y2 - y1) * (rows - x1) / (x2 - x1)
+
+    def step(self, ks: Sequence[int]) -> float:
+        """T(k): the step's expected seconds when its sessions propose ks."""
+        return (
+            self.rest + self.draft_fixed * max(ks, default=0) + self.draft_per_session * sum(ks)
+            + self.verify(len(ks) + sum(ks))
+        )  # fmt: skip
+
+
+def goodput(alphas: Sequence[float], ks: Sequence[int], costs: StepCosts) -> float:
+    """Σ E_i / T(k): the step's expected committed tokens per second."""
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / costs.step(ks)
+
+
+def _best_for(alphas: Sequence[float], costs: StepCosts, k_max: int, caps: Sequence[int], lam: float) -> list[int]:
+    """The k maximising Σ E_i - lam·T(k), every k_i ≤ min(k_max, caps[i])."""
+    n = len(alphas)
+    best, best_value = [0] * n, -lam * costs.step([0] * n)  # the Σ E_i of k = 0 (n tokens) left out
+    for top in range(1, k_max + 1):  # K: the draft's steps, paid once whatever the rows
+        # The step's extra rows, likeliest kept first (for one session α^1 > α^2 > ...):
+        # each is taken while its kept-token value beats lam times what it adds.
+        offers = sorted(
+            ((alphas[i] ** j, i) for i in range(n) for j in range(1, min(top, caps[i]) + 1)), key=lambda o: -o[0]
+        )
+        ks, value = [0] * n, -lam * (costs.step([0] * n) + costs.draft_fixed * top)
+        for taken, (kept, i) in enumerate(offers):
+            added = costs.draft_per_session + costs.verify(n + taken + 1) - costs.verify(n + taken)
+            if kept - lam * added <= 0:
+                break
+            ks[i] += 1
+            value += kept - lam * added
+        # Charged K = top even where no session reached it: that k is also tried with its own K.
+        if any(ks) and value > best_value + 1e-15:
+            best, best_value = ks, value
+    return best
+
+
+def choose_ks(
+    alphas: Sequence[float], costs: StepCosts, k_max: int, caps: Sequence[int] | None = None
+) -> tuple[list[int], float]:
+    """Every session's k (0 ≤ k_i ≤ min(k_max, caps[i])) maximising the step's goodput, and
+    that goodput. caps: each session's own limit (the tokens its output has left)."""
+    caps = [k_max] * len(alphas) if caps is None else list(caps)
+    if len(caps) != len(alphas):
+        raise ValueError(f"one cap per session: {len(caps)} caps for {len(alphas)} sessions")
+    if not alphas:
+        return [], 0.0
+    ks = [0] * len(alphas)
+    lam = goodput(alphas, ks, costs)
+    for _ in range(64):  # Dinkelbach rises strictly until the optimum; a few rounds in practice
+        candidate = _best_for(alphas, costs, k_max, caps, lam)
+        value = goodput(alphas, candidate, costs)
+        if value <= lam * (1 + 1e-12):
+            break
+        ks, lam = candidate, value
+    return ks, lam
