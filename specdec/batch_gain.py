@@ -85,43 +85,60 @@ def goodput(alphas: Sequence[float], ks: Sequence[int], costs: StepCosts) -> flo
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / costs.step(ks)
 
 
-def _best_for(alphas: Sequence[float], costs: StepCosts, k_max: int, caps: Sequence[int], lam: float) -> list[int]:
-    """The k maximising Σ E_i - lam·T(k), every k_i ≤ min(k_max, caps[i])."""
+def _best_for(
+    alphas: Sequence[float], costs: StepCosts, k_max: int, low: Sequence[int], high: Sequence[int], lam: float
+) -> list[int]:
+    """The k maximising Σ E_i - lam·T(k), low[i] ≤ k_i ≤ high[i]."""
     n = len(alphas)
-    best, best_value = [0] * n, -lam * costs.step([0] * n)  # the Σ E_i of k = 0 (n tokens) left out
-    for top in range(1, k_max + 1):  # K: the draft's steps, paid once whatever the rows
-        # The step's extra rows, likeliest kept first (for one session α^1 > α^2 > ...):
+    best, best_value = list(low), float("-inf")
+    for top in range(max(low, default=0), k_max + 1):  # K: the draft's steps, paid once whatever the rows
+        ks = list(low)
+        rows = n + sum(ks)
+        charged = costs.rest + costs.draft_fixed * top + costs.draft_per_session * sum(ks) + costs.verify(rows)
+        value = sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) - lam * charged
+        # The step's extra rows, likeliest kept first (for one session α^(k+1) falls with k):
         # each is taken while its kept-token value beats lam times what it adds.
         offers = sorted(
-            ((alphas[i] ** j, i) for i in range(n) for j in range(1, min(top, caps[i]) + 1)), key=lambda o: -o[0]
+            ((alphas[i] ** j, i) for i in range(n) for j in range(low[i] + 1, min(top, high[i]) + 1)),
+            key=lambda o: -o[0],
         )
-        ks, value = [0] * n, -lam * (costs.step([0] * n) + costs.draft_fixed * top)
-        for taken, (kept, i) in enumerate(offers):
-            added = costs.draft_per_session + costs.verify(n + taken + 1) - costs.verify(n + taken)
+        for kept, i in offers:
+            added = costs.draft_per_session + costs.verify(rows + 1) - costs.verify(rows)
             if kept - lam * added <= 0:
                 break
             ks[i] += 1
+            rows += 1
             value += kept - lam * added
         # Charged K = top even where no session reached it: that k is also tried with its own K.
-        if any(ks) and value > best_value + 1e-15:
+        if value > best_value:
             best, best_value = ks, value
     return best
 
 
 def choose_ks(
-    alphas: Sequence[float], costs: StepCosts, k_max: int, caps: Sequence[int] | None = None
+    alphas: Sequence[float],
+    costs: StepCosts,
+    k_max: int,
+    caps: Sequence[int] | None = None,
+    floors: Sequence[int] | None = None,
 ) -> tuple[list[int], float]:
-    """Every session's k (0 ≤ k_i ≤ min(k_max, caps[i])) maximising the step's goodput, and
-    that goodput. caps: each session's own limit (the tokens its output has left)."""
-    caps = [k_max] * len(alphas) if caps is None else list(caps)
-    if len(caps) != len(alphas):
-        raise ValueError(f"one cap per session: {len(caps)} caps for {len(alphas)} sessions")
-    if not alphas:
+    """Every session's k maximising the step's goodput, and that goodput: floors[i] ≤ k_i ≤
+    min(k_max, caps[i]). caps: each session's own limit (the tokens its output has left;
+    0 for a session without a draft); floors: a k the session must run (its request's own
+    k where it asked for one: set its cap to the same), 0 by default."""
+    n = len(alphas)
+    high = [k_max] * n if caps is None else [min(k_max, c) for c in caps]
+    low = [0] * n if floors is None else list(floors)
+    if len(high) != n or len(low) != n:
+        raise ValueError(f"one cap and one floor per session: {len(high)} caps, {len(low)} floors, {n} sessions")
+    if any(lo > hi for lo, hi in zip(low, high)):
+        raise ValueError(f"a floor above its cap: floors {low}, caps {high}")
+    if not n:
         return [], 0.0
-    ks = [0] * len(alphas)
+    ks = list(low)
     lam = goodput(alphas, ks, costs)
     for _ in range(64):  # Dinkelbach rises strictly until the optimum; a few rounds in practice
-        candidate = _best_for(alphas, costs, k_max, caps, lam)
+        candidate = _best_for(alphas, costs, k_max, low, high, lam)
         value = goodput(alphas, candidate, costs)
         if value <= lam * (1 + 1e-12):
             break

@@ -94,7 +94,9 @@ def measure_costs(
     )
 
 
-def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 128, repeats: int = 7) -> dict[int, float]:
+def forward_seconds(
+    model: CausalLM, positions: Sequence[int], context: int = 128, repeats: int = 7
+) -> dict[int, float]:
     """Seconds of one forward over n new positions behind `context` cached tokens, for each
     n in positions: what the verify service starts its AUTO costs from. The curve is not
     monotonic on CPUs (gemm blocking: 5 positions can cost less than 4), so its shape
@@ -118,12 +120,56 @@ def forward_seconds(model: CausalLM, positions: Sequence[int], context: int = 12
     return {n: min(ones) * statistics.median(r) for n, r in ratios.items()}
 
 
+def batch_forward_seconds(
+    model: CausalLM, sessions: Sequence[int], per_session: Sequence[int], context: int = 128, repeats: int = 5
+) -> dict[tuple[int, int], float]:
+    """Seconds of one forward over p new positions of each of s sessions (each behind
+    `context` cached tokens), by (s, p) for s in sessions and p in per_session: what AUTO's
+    batch costs start from. Session counts the pool cannot hold at once are left out. As
+    forward_seconds: each value is the fastest one-session, one-position forward times the
+    median of its per-repetition ratios to it."""
+    forwards = model.forwards
+    context = max(1, min(context, model.max_positions - max(per_session)))
+    capacity = context + max(per_session)
+    caches = []
+    try:
+        while len(caches) < max(sessions) and model.fits(capacity):
+            caches.append(model.new_cache(capacity))
+            model.forward(caches[-1], _prefix(model, context))
+
+        def timed(s: int, p: int) -> float:
+            start = time.perf_counter()
+            model.forward_batch(caches[:s], [[1] * p] * s)
+            elapsed = time.perf_counter() - start
+            for cache in caches[:s]:
+                cache.rollback(context)
+            return elapsed
+
+        timed(1, 1)  # the first forward after a prefill pays for its allocations
+        ones: list[float] = []
+        ratios: dict[tuple[int, int], list[float]] = {
+            (s, p): [] for s in sessions if s <= len(caches) for p in per_session
+        }
+        for _ in range(repeats):
+            one = timed(1, 1)
+            ones.append(one)
+            for (s, p), samples in ratios.items():
+                samples.append(timed(s, p) / one)
+    finally:
+        for cache in caches:
+            cache.release()
+        model.forwards = forwards  # calibration is not service work
+    return {key: min(ones) * statistics.median(r) for key, r in ratios.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m specdec.costs TARGET DRAFT`: one measure_costs of a pair on this host, as
     one JSON line. The figure varies from process to process (c of the committed pair
     0.072-0.102 on this project's CPU), so one worth reporting is the median over several
     processes: models/recipe.py's evaluation runs this in five."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.costs", description="Measure a pair's forward costs c and v(k) on this host.")
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec.costs", description="Measure a pair's forward costs c and v(k) on this host."
+    )
     parser.add_argument("target", help="the target: a local path or hub id")
     parser.add_argument("draft", help="the draft: a local path or hub id")
     parser.add_argument("--context", type=int, default=512, help="cached tokens behind each measured forward")

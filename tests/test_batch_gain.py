@@ -95,3 +95,22 @@ def test_sessions_with_higher_acceptance_keep_larger_k() -> None:
     ks, _ = choose_ks(alphas, costs, k_max=8)
     by_alpha = [k for _, k in sorted(zip(alphas, ks))]
     assert by_alpha == sorted(by_alpha) and by_alpha[-1] > by_alpha[0], list(zip(alphas, ks))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sessions_with_their_own_k_or_no_draft_count_in_the_step(seed: int) -> None:
+    """A request that asked for its k (floor = cap) or has no draft (cap 0) is not chosen
+    for, but its rows are in the step: the others' choice is brute force's over the rest."""
+    rng = random.Random(1000 + seed)
+    sessions = rng.randint(2, 4)
+    alphas = [rng.choice([0.3, 0.6, 0.8, 0.9, 1.0]) for _ in range(sessions)]
+    costs, k_max = random_costs(rng), 6
+    floors = [0] * sessions
+    caps = [k_max] * sessions
+    fixed = rng.randrange(sessions)
+    floors[fixed] = caps[fixed] = rng.choice([0, 2, 4])
+    ks, value = choose_ks(alphas, costs, k_max, caps=caps, floors=floors)
+    assert ks[fixed] == floors[fixed]
+    allowed = [range(lo, hi + 1) for lo, hi in zip(floors, caps)]
+    best = max(goodput(alphas, c, costs) for c in itertools.product(*allowed))
+    assert value == pytest.approx(best, rel=1e-9)

@@ -1,0 +1,72 @@
+"""A batched step's served costs (verify_service.step_costs) and their calibration
+(specdec.costs.batch_forward_seconds)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specdec.costs import batch_forward_seconds
+from specdec.runtime import CausalLM, ModelSpec
+from verify_service.step_costs import MIN_DRAFT_SAMPLES, ServedStepCosts
+
+# sessions, positions each -> seconds: memory-bound (flat) to 16 rows, then compute-bound
+GRID = {(1, 1): 0.010, (1, 4): 0.0105, (1, 16): 0.012, (4, 1): 0.0108, (4, 4): 0.012, (4, 16): 0.030}
+
+
+def test_a_forward_is_predicted_along_rows_and_between_session_counts() -> None:
+    costs = ServedStepCosts(GRID)
+    assert costs.forward(1, 4) == pytest.approx(0.0105)
+    assert costs.forward(4, 16) == pytest.approx(0.012)
+    assert costs.forward(4, 10) == pytest.approx(0.0108 + (0.012 - 0.0108) * 6 / 12)
+    assert costs.forward(2, 4) == pytest.approx(0.0105 + (0.0108 - 0.0105) / 3)  # a third of the way to 4
+    assert costs.forward(4, 96) == pytest.approx(0.030 + (0.030 - 0.012) / 48 * 32)  # beyond: the last slope
+    assert costs.forward(16, 16) == pytest.approx(costs.forward(4, 16))  # beyond the counts: the nearest
+
+
+def test_served_forwards_scale_the_calibration() -> None:
+    costs = ServedStepCosts(GRID)
+    for _ in range(5):
+        costs.observe_forward(1, 4, 2 * 0.0105)
+    assert costs.forward(4, 16) == pytest.approx(2 * 0.012)
+    costs.observe_forward(4, 16, 2 * 0.012)  # a sample at the served scale keeps it
+    assert costs.forward(1, 1) == pytest.approx(2 * 0.010)
+
+
+def test_the_draft_line_is_fitted_from_batched_steps() -> None:
+    costs = ServedStepCosts(GRID)
+    fixed, per = 1.2e-3, 0.15e-3
+    samples = [(4, 4), (4, 13), (2, 7), (8, 20), (3, 3), (6, 30)]  # (K, Σk)
+    for i, (steps, proposed) in enumerate(samples):
+        assert (costs.draft_line() is None) == (i < MIN_DRAFT_SAMPLES)
+        costs.observe_draft(steps, proposed, fixed * steps + per * proposed)
+    assert costs.draft_line() == pytest.approx((fixed, per))
+
+
+def test_one_session_per_draft_step_is_all_fixed_cost() -> None:
+    costs = ServedStepCosts(GRID)
+    for steps in (2, 4, 3, 5):
+        costs.observe_draft(steps, steps, 1.5e-3 * steps)
+    assert costs.draft_line() == pytest.approx((1.5e-3, 0.0))
+
+
+def test_step_costs_price_the_chooser_s_rows_beside_prompt_chunks() -> None:
+    costs = ServedStepCosts(GRID)
+    assert costs.step_costs(4, k_max=4) is None  # the draft's cost is not known yet
+    for steps in (2, 4, 3):
+        costs.observe_draft(steps, steps, 1e-3 * steps)
+    costs.observe_rest(2e-3)
+    step = costs.step_costs(4, k_max=4, other_rows=8)
+    assert step is not None and step.rest == pytest.approx(2e-3) and step.draft_fixed == pytest.approx(1e-3)
+    for extra in (0, 5, 16):  # the chooser's rows n + Σk are n + Σk + 8 in the forward
+        assert step.verify(4 + extra) == pytest.approx(costs.forward(4, 4 + extra + 8))
+
+
+def test_batch_forwards_are_calibrated_for_the_session_counts_the_pool_holds(toy) -> None:
+    model = CausalLM.load(replace(ModelSpec(str(toy.target)), pool_contexts=3, pool_slots=True))
+    forwards = model.forwards
+    measured = batch_forward_seconds(model, sessions=(1, 2, 4), per_session=(1, 3), context=16, repeats=2)
+    assert set(measured) == {(1, 1), (1, 3), (2, 1), (2, 3)}  # four sessions do not fit three slots
+    assert all(seconds > 0 for seconds in measured.values())
+    assert model.forwards == forwards and model.pool_stats().reserved_tokens == 0  # nothing left behind
