@@ -1,4 +1,4 @@
-"""`specdec doctor`: the deployment guide's five-point checklist against live services.
+"""`specdec doctor`: the deployment guide's five-point checklist, and a load check, against live services.
 
 Each check has a verdict (pass, warn, fail) and the figure behind it:
 1. output length: mean completion tokens of recent requests (pass above 256, else warn);
@@ -11,6 +11,10 @@ Each check has a verdict (pass, warn, fail) and the figure behind it:
    the usual k; it is judged as the α̂ whose expected acceptance rate at the default k
    (NUM_DRAFT_TOKENS, 4) is 0.4, about 0.67 (pass at or above, else fail). The figure
    keeps the acceptance rate at the k clients used.
+6. load: the share of AUTO rounds the batch chooser held at k = 0 because of load, and α̂
+   by load band (sessions per step). Warns when most rounds were held (speculation rarely
+   pays at the load served) or when α̂ in a loaded band is LOAD_ALPHA_DROP below the
+   lightest band's (the same draft should be kept as often in a batch as alone).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from specdec.v1 import generation_pb2, generation_pb2_grpc, pairing_pb2, verify_
 LONG_OUTPUT_TOKENS = 256
 ACCEPTANCE_FLOOR = 0.4  # the guide's, an acceptance rate at the usual k
 ALPHA_FLOOR = alpha_for_acceptance_rate(ACCEPTANCE_FLOOR, NUM_DRAFT_TOKENS)  # the same floor, for any k
+HELD_WARN = 0.5  # share of AUTO rounds held at k = 0 by load above which the load check warns
+LOAD_ALPHA_DROP = 0.1
+LOAD_MIN_PROPOSED = 200  # draft tokens a band needs before its α̂ is compared
 PASS, WARN, FAIL = "pass", "warn", "fail"
 LINK_NAMES = {
     pairing_pb2.GPU_LINK_NONE_CPU: "CPU, no GPU link",
@@ -60,7 +67,14 @@ def fetch_info(verify: str | None, gateway: str | None, recent: int, timeout_s: 
 
 def checks(info: verify_pb2.VerifyInfo) -> list[Check]:
     recent, pairing = info.recent, info.pairing
-    return [output_length(recent), memory(pairing), same_origin(pairing), placement(pairing), acceptance(recent)]
+    return [
+        output_length(recent),
+        memory(pairing),
+        same_origin(pairing),
+        placement(pairing),
+        acceptance(recent),
+        load(recent),
+    ]
 
 
 def output_length(recent: verify_pb2.RecentRequests) -> Check:
@@ -133,6 +147,32 @@ def acceptance(recent: verify_pb2.RecentRequests) -> Check:
     if recent.alpha_hat >= ALPHA_FLOOR:
         return Check("acceptance rate", PASS, figure, f"α̂ at least {floor}")
     return Check("acceptance rate", FAIL, figure, f"α̂ below {floor}: a draft problem (not same-origin?)")
+
+
+def _band_name(band: verify_pb2.LoadBand) -> str:
+    if band.max_sessions == band.min_sessions:
+        return f"{band.min_sessions}"
+    return f"{band.min_sessions}-{band.max_sessions}" if band.max_sessions else f"{band.min_sessions}+"
+
+
+def load(recent: verify_pb2.RecentRequests) -> Check:
+    bands = list(recent.load_bands)
+    rounds = sum(b.auto_rounds for b in bands)
+    if not rounds:
+        return Check("load", WARN, "no AUTO rounds in the window", "nothing to judge yet")
+    held = sum(b.held_by_load for b in bands)
+    by_band = ", ".join(
+        f"{_band_name(b)}: {b.held_by_load}/{b.auto_rounds} held, α̂ {b.alpha_hat:.2f}" for b in bands if b.auto_rounds
+    )
+    figure = f"{held / rounds:.0%} of {rounds} AUTO rounds held at k = 0 by load (sessions per step {by_band})"
+    if held / rounds > HELD_WARN:
+        detail = "most rounds ran target-only for the batch's sake: speculation rarely pays at this load"
+        return Check("load", WARN, figure, detail)
+    measured = [b for b in bands if b.draft_tokens_proposed >= LOAD_MIN_PROPOSED]
+    if len(measured) >= 2 and min(b.alpha_hat for b in measured[1:]) < measured[0].alpha_hat - LOAD_ALPHA_DROP:
+        detail = f"α̂ falls by over {LOAD_ALPHA_DROP} under load: the draft is kept less often in a batch"
+        return Check("load", WARN, figure, detail)
+    return Check("load", PASS, figure, "speculation adapts to load: k falls as the batch fills, α̂ holds")
 
 
 def report_json(found: list[Check], info: verify_pb2.VerifyInfo) -> dict:

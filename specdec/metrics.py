@@ -90,6 +90,11 @@ class ModeMetrics:
             unit="{session}",
             description="AUTO requests that went target-only because no k was expected to gain",
         )
+        self.rounds = meter.create_counter(
+            "specdec.rounds",
+            unit="{round}",
+            description="rounds run, by the k chosen (k: 0 for target-only) and, in AUTO mode, how (choice)",
+        )
 
 
 def observe_sessions(meter: Meter, count: Callable[[], int], description: str) -> None:

@@ -100,13 +100,20 @@ def round_stats(stats: common_pb2.RoundStats, emitted: int, running_acceptance: 
     }
 
 
+def auto_choice_name(choice: common_pb2.AutoChoice) -> str:
+    """An AutoChoice as spans and metrics name it: best_k, load, ..."""
+    return _enum_suffix(common_pb2.AutoChoice.Name(choice), "AUTO_CHOICE_")
+
+
 def auto_choice(stats: common_pb2.RoundStats, reason: str) -> Attributes:
     """How AUTO mode chose the round's k; `reason` (set when the choice changed) says why."""
     attributes: dict = {
-        "specdec.auto.choice": _enum_suffix(common_pb2.AutoChoice.Name(stats.auto_choice), "AUTO_CHOICE_"),
+        "specdec.auto.choice": auto_choice_name(stats.auto_choice),
         "specdec.auto.expected_gain": stats.expected_gain,
         "specdec.auto.alpha_hat": stats.alpha_estimate,
     }
+    if stats.predicted_tokens_per_s:
+        attributes["specdec.auto.predicted_tokens_per_s"] = stats.predicted_tokens_per_s
     if reason:
         attributes["specdec.auto.reason"] = reason
     return attributes

@@ -52,9 +52,11 @@ def rpc_error(stack: Stack, req: generation_pb2.GenerateRequest, **kwargs) -> gr
     raise AssertionError("the request succeeded")
 
 
-def verify_info(stack: Stack) -> verify_pb2.VerifyInfo:
+def verify_info(stack: Stack, recent: int = 0) -> verify_pb2.VerifyInfo:
+    """The verify service's Info; `recent`: its RecentRequests over that many (0: the default)."""
     with grpc.insecure_channel(stack.config.verify_address) as channel:
-        return verify_pb2_grpc.VerifyStub(channel).GetInfo(verify_pb2.VerifyInfoRequest(), timeout=10)
+        info = verify_pb2.VerifyInfoRequest(recent_requests=recent)
+        return verify_pb2_grpc.VerifyStub(channel).GetInfo(info, timeout=10)
 
 
 def gateway_info(stack: Stack) -> generation_pb2.GatewayInfo:

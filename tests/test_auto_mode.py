@@ -5,6 +5,7 @@ keeps missing."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
@@ -15,13 +16,16 @@ from specdec import defaults
 from specdec.costs import forward_seconds
 from specdec.speculation_gain import best_k, expected_tokens, gain
 from specdec.v1 import common_pb2
-from tests.helpers import draft_info, request, rpc_error, run
-from verify_service.auto_mode import AutoPolicy, AutoSession, Choice, ServedCosts, ServiceAuto
+from tests.helpers import HeldDecode, draft_info, request, rpc_error, run, verify_info
+from verify_service.auto_mode import AutoPolicy, AutoSession, Choice, ServedCosts, ServiceAuto, parse_table
 
 PROMPT = "def parse_header(line):"
 LOW_GAIN = common_pb2.AUTO_CHOICE_LOW_GAIN
 PROBE = common_pb2.AUTO_CHOICE_PROBE
 BEST_K = common_pb2.AUTO_CHOICE_BEST_K
+SCHEDULE = common_pb2.AUTO_CHOICE_SCHEDULE
+LOAD = common_pb2.AUTO_CHOICE_LOAD
+STREAMS = [f"{PROMPT}  # stream {i}: {'abc'[i % 3] * (i + 1)}" for i in range(16)]
 PAUSE_BELOW = AutoPolicy().pause_below
 
 
@@ -204,6 +208,37 @@ def test_a_session_resumes_when_probes_hit():
     assert hitting[first_probe + 1].how == BEST_K and hitting[-1].how == BEST_K and hitting[-1].k >= 8
 
 
+def test_rounds_held_at_k_0_by_load_keep_the_sessions_acceptance_and_need_no_probe():
+    """The batch chooser may run a session whose drafts are kept target-only for a while
+    (AUTO_CHOICE_LOAD): those rounds are not evidence against the draft, so its α̂ stays
+    and, when load falls, its next round speculates at once, not after a probe."""
+    service = ServiceAuto(AutoPolicy(), calibration())
+    costs_measured(service.greedy)
+    session = service.session(greedy=True)
+    hitting = run_session(service, session, lambda k: k - (k > 2), 20)
+    assert hitting[-1].how == BEST_K
+    alpha = session.alpha
+    for _ in range(200):  # its own choice speculates, the batch holds it at k = 0
+        assert session.next().how == BEST_K
+        session.observe(0, 0, 1)
+    assert session.alpha == pytest.approx(alpha)
+    resumed = session.next()
+    assert resumed.how == BEST_K and resumed.k > 0
+
+
+def test_the_peers_schedules_give_k_by_requests_in_flight():
+    mlc = AutoPolicy(schedule="table")  # the default table is MLC's
+    assert [mlc.scheduled_k(n) for n in (1, 9, 10, 19, 20, 29, 30, 64)] == [4, 4, 3, 3, 2, 2, 0, 0]
+    assert AutoPolicy(schedule="fixed").scheduled_k(64) == defaults.NUM_DRAFT_TOKENS
+    assert AutoPolicy().scheduled_k(1) is None  # goodput: the costs decide
+    assert parse_table(" 2:3, 8:1 ") == ((2, 3), (8, 1))
+    for bad in ("", "4", "a:1", "8:1,4:2", "2:17"):
+        with pytest.raises(ValueError):
+            parse_table(bad)
+    with pytest.raises(ValueError, match="goodput, table, fixed"):
+        AutoPolicy(schedule="smart")
+
+
 def test_before_the_drafts_cost_is_known_a_session_probes():
     service = ServiceAuto(AutoPolicy(), calibration())
     first = service.session(greedy=True).next()
@@ -282,6 +317,44 @@ def test_a_draft_that_keeps_missing_falls_back_to_target_only_and_stays_exact(fa
     assert completion.usage.draft_tokens_proposed < fixed.usage.draft_tokens_proposed / 4
 
 
+def test_sixteen_streams_of_a_draft_that_keeps_missing_run_target_only_but_for_probes(far_stack):
+    n = 96
+    references = [run(far_stack, request(p, max_new_tokens=n, speculation=False)).token_ids for p in STREAMS]
+    with ThreadPoolExecutor(len(STREAMS)) as pool:
+        together = list(pool.map(lambda p: run(far_stack, auto_request(n, text=p)), STREAMS))
+    assert [c.token_ids for c in together] == references
+    rounds = [m.round for c in together for m in c.messages]
+    assert max(r.batch_sessions for r in rounds) >= 8  # they ran as a batch
+    # A session speculates while its α̂ is still the service's prior (its first rounds), to
+    # probe after a pause, and briefly after a probe that happened to hit; the rest of its
+    # rounds are target-only.
+    steady = [r for c in together for m in c.messages[4:] if (r := m.round).draft_tokens]
+    assert sum(r.auto_choice != PROBE for r in steady) <= 0.05 * len(rounds)
+    assert sum(r.draft_tokens == 0 for r in rounds) > 0.8 * len(rounds)
+    # The verify service's recent requests show the load they ran under.
+    bands = {(b.min_sessions, b.max_sessions): b for b in verify_info(far_stack, recent=16).recent.load_bands}
+    assert bands[(5, 16)].auto_rounds > 0 and bands[(5, 16)].alpha_hat < 0.3
+
+
+@pytest.mark.parametrize("in_flight", [1, 16])
+def test_seeded_sampled_auto_requests_equal_their_target_only_output_at_any_load(shared_stack, in_flight):
+    """The shared-noise coupling holds while AUTO changes k from round to round and the
+    batch chooser from step to step."""
+
+    def sampled(i: int, mode: common_pb2.SpeculationMode):
+        req = request(STREAMS[i], max_new_tokens=48, temperature=0.8, top_p=0.95, seed=500 + i)
+        req.speculation.mode = mode
+        return req
+
+    references = [run(shared_stack, sampled(i, common_pb2.SPECULATION_MODE_OFF)).token_ids for i in range(in_flight)]
+    with ThreadPoolExecutor(in_flight) as pool:
+        auto = list(pool.map(lambda i: run(shared_stack, sampled(i, common_pb2.SPECULATION_MODE_AUTO)), range(in_flight)))
+    assert [c.token_ids for c in auto] == references
+    ks = {m.round.draft_tokens for c in auto for m in c.messages[:-1]}
+    assert len(ks) > 1  # k moved between rounds
+    assert max(m.round.batch_sessions for c in auto for m in c.messages) >= min(in_flight, 8)
+
+
 def test_the_default_mode_is_auto_and_a_fixed_k_means_on(far_stack):
     unset = request(PROMPT, max_new_tokens=40)
     unset.ClearField("speculation")
@@ -303,3 +376,21 @@ def test_the_servers_default_mode_is_a_flag(stack_factory, toy):
     assert all(m.round.mode == common_pb2.SPECULATION_MODE_ON for m in run(stack, unset).messages)
     # --auto-min-new-tokens moves the threshold: 20 tokens now speculate under AUTO.
     assert run(stack, auto_request(20)).usage.draft_tokens_proposed > 0
+
+
+def test_the_table_policy_sets_k_by_requests_in_flight_and_an_explicit_k_still_wins(stack_factory, toy):
+    policy = ["--speculation-policy", "table", "--speculation-table", "2:3"]  # alone k = 3, else target-only
+    stack = stack_factory(toy.target, toy.same, args={"verify": policy})
+    reference = run(stack, request(PROMPT, max_new_tokens=40, speculation=False))
+    alone = run(stack, auto_request(40))
+    assert alone.token_ids == reference.token_ids
+    assert all(m.round.auto_choice == SCHEDULE and m.round.draft_tokens == 3 for m in alone.messages[:-1])
+    held = HeldDecode(stack, list(range(5, 25)), 200)  # a second request in flight, its reader stalled
+    try:
+        busy = run(stack, auto_request(40))
+        assert busy.token_ids == reference.token_ids
+        assert all(m.round.auto_choice == SCHEDULE and m.round.draft_tokens == 0 for m in busy.messages)
+        fixed = run(stack, request(PROMPT, max_new_tokens=40, k=2))  # a request's own k is not AUTO's
+        assert fixed.token_ids == reference.token_ids and fixed.messages[0].round.draft_tokens == 2
+    finally:
+        held.cancel()

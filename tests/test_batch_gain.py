@@ -28,6 +28,7 @@ def random_costs(rng: random.Random) -> StepCosts:
     points = [(1, base), (knee, base + slope * (knee - 1)), (knee + 40, base + slope * (knee - 1) + steep * 40)]
     return StepCosts(
         verify_points=tuple(points),
+        draft_call=rng.uniform(0.0, 0.5) * base,
         draft_fixed=rng.uniform(0.0, 0.5) * base,
         draft_per_session=rng.uniform(0.0, 0.05) * base,
         rest=rng.uniform(0.0, 0.5) * base,
@@ -57,10 +58,12 @@ def test_caps_bound_each_session() -> None:
 @pytest.mark.parametrize("alpha", [0.2, 0.5, 0.7, 0.8, 0.9, 0.95])
 def test_one_session_is_the_single_session_formula(alpha: float) -> None:
     """In target-only tokens: c = a draft step / T0, v(k) = (rest + verify(k + 1)) / T0."""
-    costs = StepCosts(verify_points=((1, 10e-3), (9, 11e-3), (17, 14e-3)), draft_fixed=1.5e-3, rest=2e-3)
+    costs = StepCosts(
+        verify_points=((1, 10e-3), (9, 11e-3), (17, 14e-3)), draft_call=1e-3, draft_fixed=1.5e-3, rest=2e-3
+    )
     token = costs.step([0])
     c = costs.draft_fixed / token
-    v = {k: (costs.rest + costs.verify(k + 1)) / token for k in range(1, 9)}
+    v = {k: (costs.rest + costs.draft_call + costs.verify(k + 1)) / token for k in range(1, 9)}
     k, gain = best_k(alpha, c, v, k_max=8)
     ks, value = choose_ks([alpha], costs, k_max=8)
     if gain > 1:

@@ -14,12 +14,13 @@ import pytest
 from specdec import defaults
 from specdec.client import Completion
 from specdec.defaults import NUM_DRAFT_TOKENS
-from specdec.doctor import ACCEPTANCE_FLOOR, ALPHA_FLOOR
+from specdec.doctor import ACCEPTANCE_FLOOR, ALPHA_FLOOR, load
 from specdec.launcher import Stack, free_port
 from specdec.speculation_gain import alpha_for_acceptance_rate, expected_acceptance_rate
 from specdec.toy_models import foreign_tokenizer_copy
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, pairing_pb2
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, pairing_pb2, verify_pb2
 from tests.helpers import request, run, verify_info
+from verify_service.load_bands import BANDS
 
 PROMPT = "def speculative_decode(prompt, draft, target, k=4):"
 REFUSED = common_pb2.TARGET_ONLY_REASON_DRAFT_REFUSED
@@ -83,7 +84,10 @@ def test_unix_socket_draft_pairs(toy, shared_stack):
     last = [run(stack, request(PROMPT, max_new_tokens=n)) for n in (40, 60)]
     code, report = doctor("--gateway", stack.config.gateway_address, "--requests", "2")
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == ["output length", "target memory", "same-origin draft", "same card or host", "acceptance rate"]
+    assert list(checks) == [
+        "output length", "target memory", "same-origin draft", "same card or host", "acceptance rate", "load"
+    ]  # fmt: skip
+    assert checks["load"]["verdict"] == "warn" and checks["load"]["figure"] == "no AUTO rounds in the window"
     assert checks["output length"]["verdict"] == "warn"
     mean = sum(len(c.token_ids) for c in last) / 2
     assert checks["output length"]["figure"].startswith(f"{mean:.0f} tokens on average over the last 2 requests")
@@ -96,6 +100,31 @@ def test_unix_socket_draft_pairs(toy, shared_stack):
     assert checks["acceptance rate"]["verdict"] == ("pass" if alpha >= ALPHA_FLOOR else "fail")
     assert code == (0 if alpha >= ALPHA_FLOOR else 1) and report["ok"] == (code == 0)
     assert doctor("--verify", stack.config.verify_address, "--requests", "2") == (code, report)
+
+
+def test_doctors_load_check_judges_holds_and_acceptance_by_band():
+    def recent(*bands: tuple[int, int, int, int, int]) -> verify_pb2.RecentRequests:
+        rows = [
+            verify_pb2.LoadBand(
+                min_sessions=low, max_sessions=high, auto_rounds=auto, held_by_load=held,
+                draft_tokens_proposed=proposed, draft_tokens_accepted=int(proposed * alpha / 100),
+                rejections=1, alpha_hat=alpha / 100,
+            )
+            for (low, high), (auto, held, proposed, alpha) in zip(BANDS, bands)
+        ]  # fmt: skip
+        return verify_pb2.RecentRequests(load_bands=rows)
+
+    fine = load(recent((100, 0, 400, 80), (300, 30, 900, 78), (0, 0, 0, 0), (0, 0, 0, 0)))
+    assert fine.verdict == "pass"
+    assert fine.figure == (
+        "8% of 400 AUTO rounds held at k = 0 by load (sessions per step 1: 0/100 held, α̂ 0.80, 2-4: 30/300 held, α̂ 0.78)"
+    )
+    assert load(recent((10, 0, 40, 80), (300, 200, 900, 78), (0, 0, 0, 0), (0, 0, 0, 0))).verdict == "warn"
+    dropping = load(recent((100, 0, 400, 80), (300, 30, 900, 60), (0, 0, 0, 0), (0, 0, 0, 0)))
+    assert dropping.verdict == "warn" and "α̂ falls" in dropping.detail
+    # A band too thin to compare does not warn.
+    assert load(recent((100, 0, 400, 80), (300, 30, 100, 60), (0, 0, 0, 0), (0, 0, 0, 0))).verdict == "pass"
+    assert load(recent((0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0))).verdict == "warn"
 
 
 def test_doctors_floor_is_the_guides_acceptance_rate_at_the_default_k():

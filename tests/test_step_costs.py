@@ -17,10 +17,13 @@ GRID = {(1, 1): 0.010, (1, 4): 0.0105, (1, 16): 0.012, (4, 1): 0.0108, (4, 4): 0
 
 def test_a_forward_is_predicted_along_rows_and_between_session_counts() -> None:
     costs = ServedStepCosts(GRID)
-    assert costs.forward(1, 4) == pytest.approx(0.0105)
+    # One session's (4, 0.0105) lies above the chord from 1 to 16 rows: the curve is its lower
+    # hull, convex as the chooser needs (measured noise must not make a row look free).
+    one_at_4 = 0.010 + (0.012 - 0.010) * 3 / 15
+    assert costs.forward(1, 4) == pytest.approx(one_at_4)
     assert costs.forward(4, 16) == pytest.approx(0.012)
     assert costs.forward(4, 10) == pytest.approx(0.0108 + (0.012 - 0.0108) * 6 / 12)
-    assert costs.forward(2, 4) == pytest.approx(0.0105 + (0.0108 - 0.0105) / 3)  # a third of the way to 4
+    assert costs.forward(2, 4) == pytest.approx(one_at_4 + (0.0108 - one_at_4) / 3)  # a third of the way to 4
     assert costs.forward(4, 96) == pytest.approx(0.030 + (0.030 - 0.012) / 48 * 32)  # beyond: the last slope
     assert costs.forward(16, 16) == pytest.approx(costs.forward(4, 16))  # beyond the counts: the nearest
 
@@ -28,7 +31,7 @@ def test_a_forward_is_predicted_along_rows_and_between_session_counts() -> None:
 def test_served_forwards_scale_the_calibration() -> None:
     costs = ServedStepCosts(GRID)
     for _ in range(5):
-        costs.observe_forward(1, 4, 2 * 0.0105)
+        costs.observe_forward(1, 16, 2 * 0.012)
     assert costs.forward(4, 16) == pytest.approx(2 * 0.012)
     costs.observe_forward(4, 16, 2 * 0.012)  # a sample at the served scale keeps it
     assert costs.forward(1, 1) == pytest.approx(2 * 0.010)
@@ -36,19 +39,26 @@ def test_served_forwards_scale_the_calibration() -> None:
 
 def test_the_draft_line_is_fitted_from_batched_steps() -> None:
     costs = ServedStepCosts(GRID)
-    fixed, per = 1.2e-3, 0.15e-3
+    call, fixed, per = 0.8e-3, 1.2e-3, 0.15e-3
     samples = [(4, 4), (4, 13), (2, 7), (8, 20), (3, 3), (6, 30)]  # (K, Σk)
     for i, (steps, proposed) in enumerate(samples):
         assert (costs.draft_line() is None) == (i < MIN_DRAFT_SAMPLES)
-        costs.observe_draft(steps, proposed, fixed * steps + per * proposed)
-    assert costs.draft_line() == pytest.approx((fixed, per))
+        costs.observe_draft(steps, proposed, call + fixed * steps + per * proposed)
+    assert costs.draft_line() == pytest.approx((call, fixed, per), abs=1e-12)
 
 
-def test_one_session_per_draft_step_is_all_fixed_cost() -> None:
+def test_one_session_per_draft_step_fits_a_call_and_a_step() -> None:
     costs = ServedStepCosts(GRID)
-    for steps in (2, 4, 3, 5):
-        costs.observe_draft(steps, steps, 1.5e-3 * steps)
-    assert costs.draft_line() == pytest.approx((1.5e-3, 0.0))
+    for steps in (2, 4, 3, 5, 1):
+        costs.observe_draft(steps, steps, 1e-3 + 1.5e-3 * steps)
+    assert costs.draft_line() == pytest.approx((1e-3, 1.5e-3, 0.0), abs=1e-12)
+
+
+def test_steps_of_one_k_cost_their_wait_per_draft_step() -> None:
+    costs = ServedStepCosts(GRID)
+    for seconds in (4e-3, 5e-3, 4.5e-3):
+        costs.observe_draft(2, 2, seconds)
+    assert costs.draft_line() == pytest.approx((0.0, 4.5e-3 / 2, 0.0))
 
 
 def test_step_costs_price_the_chooser_s_rows_beside_prompt_chunks() -> None:
@@ -58,7 +68,8 @@ def test_step_costs_price_the_chooser_s_rows_beside_prompt_chunks() -> None:
         costs.observe_draft(steps, steps, 1e-3 * steps)
     costs.observe_rest(2e-3)
     step = costs.step_costs(4, k_max=4, other_rows=8)
-    assert step is not None and step.rest == pytest.approx(2e-3) and step.draft_fixed == pytest.approx(1e-3)
+    assert step is not None and step.rest == pytest.approx(2e-3)
+    assert (step.draft_call, step.draft_fixed) == pytest.approx((0.0, 1e-3), abs=1e-12)
     for extra in (0, 5, 16):  # the chooser's rows n + Σk are n + Σk + 8 in the forward
         assert step.verify(4 + extra) == pytest.approx(costs.forward(4, 4 + extra + 8))
 

@@ -28,15 +28,41 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.speculation_gain import best_k
 from specdec.v1 import common_pb2
+from verify_service.step_costs import ServedStepCosts
 
 WINDOW = 32  # recent rounds whose median gives each measured cost
 MIN_DRAFT_SAMPLES = 3  # rounds measured before the draft's cost is trusted
 STEADY_ROUNDS = 8  # speculative rounds in a row after which a pause starts short again
+
+
+SCHEDULES = ("goodput", "table", "fixed")
+# MLC-LLM's schedule: below 10 requests in flight k = 4, below 20 k = 3, below 30 k = 2,
+# from 30 on target-only.
+MLC_TABLE: tuple[tuple[int, int], ...] = ((10, 4), (20, 3), (30, 2))
+
+
+def parse_table(text: str) -> tuple[tuple[int, int], ...]:
+    """"10:4,20:3,30:2" -> ((10, 4), (20, 3), (30, 2)): below 10 requests in flight k = 4,
+    ...; from the last bound on, target-only. Bounds must rise; k must be 0..16."""
+    table: list[tuple[int, int]] = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        bound, sep, k = entry.partition(":")
+        if not sep or not bound.strip().isdigit() or not k.strip().isdigit():
+            raise ValueError(f"{entry!r} is not BOUND:K (e.g. 10:4)")
+        table.append((int(bound), int(k)))
+    if not table:
+        raise ValueError("the table is empty")
+    if any(b2 <= b1 for (b1, _), (b2, _) in zip(table, table[1:])):
+        raise ValueError(f"bounds must rise: {text!r}")
+    if any(not 0 <= k <= 16 for _, k in table):
+        raise ValueError(f"each k must be 0..16: {text!r}")
+    return tuple(table)
 
 
 @dataclass(frozen=True)
@@ -53,6 +79,24 @@ class AutoPolicy:
     # just under 1 is within a session's α̂ noise (a few misses), while a pause costs a
     # probe and restarts α̂ from the service's, so pausing there loses where k pays.
     pause_below: float = 0.9
+    # How AUTO chooses k: goodput (each step, from the batch's costs and each session's
+    # α̂), or a peer's schedule for comparison on this engine: table (k by the requests in
+    # flight, from `table`) or fixed (`fixed_k`, ON's k, whatever the load).
+    schedule: str = "goodput"
+    table: tuple[tuple[int, int], ...] = MLC_TABLE
+    fixed_k: int = NUM_DRAFT_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}")
+
+    def scheduled_k(self, in_flight: int) -> int | None:
+        """The table or fixed schedule's k with `in_flight` requests decoding; None under goodput."""
+        if self.schedule == "fixed":
+            return self.fixed_k
+        if self.schedule == "table":
+            return next((k for bound, k in self.table if in_flight < bound), 0)
+        return None
 
 
 @dataclass(frozen=True)
@@ -61,8 +105,9 @@ class Choice:
 
     k: int
     how: common_pb2.AutoChoice
-    gain: float  # the chosen k's expected gain (the best k's when target-only); 0 if not computed
+    gain: float  # the session's own best expected gain, as if alone; 0 if not computed
     alpha: float  # the α̂ the choice used
+    predicted_tokens_per_s: float = 0.0  # the step's, when the batch chooser chose k
 
 
 class _Window:
@@ -123,7 +168,6 @@ class ServedCosts:
             v = {n - 1: (seconds * spec_scale + spec_rest) / token for n, seconds in self._forward.items() if n > 1}
         return c, v
 
-
 class ServiceAuto:
     """The service's side of AUTO: the policy, the running costs and the α̂ prior."""
 
@@ -131,14 +175,21 @@ class ServiceAuto:
         """forward_s: the target's calibrated forward seconds by positions (or later, by
         `calibrate`, before the first request)."""
         self.policy = policy
+        self.step_costs: ServedStepCosts | None = None  # a batched step's, once calibrated
         self.calibrate(forward_s or {})
         self._lock = threading.Lock()
         self._accepted = 0.0
         self._rejected = 0.0
 
-    def calibrate(self, forward_s: dict[int, float]) -> None:
+    def calibrate(
+        self, forward_s: dict[int, float], batch_forward_s: Mapping[tuple[int, int], float] | None = None
+    ) -> None:
+        """forward_s: one session's forward seconds by positions; batch_forward_s: a
+        forward's seconds by (sessions, positions each), for the batch chooser."""
         self.greedy = ServedCosts(forward_s)
         self.sampled = ServedCosts(forward_s)
+        if batch_forward_s:
+            self.step_costs = ServedStepCosts(batch_forward_s)
 
     def costs(self, greedy: bool) -> ServedCosts:
         return self.greedy if greedy else self.sampled
@@ -155,8 +206,9 @@ class ServiceAuto:
             return self._accepted / seen if seen else self.policy.prior_alpha
 
     def ratios(self, greedy: bool) -> tuple[float, dict[int, float]] | None:
-        """c and v(k) of greedy or sampled requests; the other kind's until their own are
-        measured (a better first guess than none)."""
+        """c and v(k) of greedy or sampled requests, as their rounds were served (in
+        whatever batches they ran); the other kind's until their own are measured (a
+        better first guess than none)."""
         own, other = (self.greedy, self.sampled) if greedy else (self.sampled, self.greedy)
         return own.ratios() or other.ratios()
 

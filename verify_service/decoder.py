@@ -28,6 +28,7 @@ from specdec.v1 import common_pb2, verify_pb2
 from verify_service.admission import Admission, Limits
 from verify_service.auto_mode import ServiceAuto
 from verify_service.draft_client import DraftClient, DraftLost, DraftSession
+from verify_service.load_bands import LoadTally, band_protos
 from verify_service.plan import AUTO, Plan, PlanLimits, make_plan
 from verify_service.request_state import ENDED, MAX_AHEAD, SPECULATING, Request, target_only
 from verify_service.round_telemetry import Instruments, RoundTelemetry
@@ -45,6 +46,7 @@ class Finished:
     proposed: int
     accepted: int
     rejections: int  # rounds that ended in a rejection
+    load: LoadTally  # its rounds by load
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class Decoder:
             acceptance_rate=accepted / proposed if proposed else 0.0,
             rejections=rejections,
             alpha_hat=accepted / (accepted + rejections) if accepted + rejections else 0.0,
+            load_bands=band_protos([f.load for f in last]),
         )
 
     def expire_idle(self) -> None:
@@ -256,6 +259,7 @@ class Decoder:
                         usage.draft_tokens_proposed,
                         usage.draft_tokens_accepted,
                         usage.rejections,
+                        state.load,
                     )
                 )
             yield final

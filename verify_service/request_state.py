@@ -17,6 +17,7 @@ from specdec.usage import UsageTally
 from specdec.v1 import common_pb2, verify_pb2
 from verify_service.auto_mode import AutoSession, Choice
 from verify_service.draft_client import DraftSession
+from verify_service.load_bands import LoadTally
 from verify_service.plan import Plan
 
 SPECULATING = common_pb2.Speculation(speculating=True)
@@ -57,6 +58,7 @@ class Request:
     draft: DraftSession | None = None  # None: target-only from here on
     auto: AutoSession | None = None  # AUTO mode with a draft
     usage: UsageTally = field(init=False)
+    load: LoadTally = field(default_factory=LoadTally)  # its rounds by the load they ran under
     outbox: queue.SimpleQueue[Outgoing] = field(default_factory=queue.SimpleQueue)
     index: int = 0  # of the next round
     turn: Choice | None = None  # what the round now running does

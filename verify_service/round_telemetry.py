@@ -71,8 +71,11 @@ class RoundTelemetry:
         span.set_attributes(attrs.round_stats(stats, len(chunk.token_ids), request.usage.acceptance_rate))
         if not chunk.speculation.speculating:
             span.set_attributes(attrs.speculation(chunk.speculation))
+        choice = {"k": stats.draft_tokens}
         if request.plan.mode == AUTO:
             span.set_attributes(attrs.auto_choice(stats, self.auto_reason(turn, request.previous)))
+            choice["choice"] = attrs.auto_choice_name(stats.auto_choice)
+        self._modes.rounds.add(1, choice)
         if stats.auto_choice == common_pb2.AUTO_CHOICE_LOW_GAIN and not request.fell_back and request.auto is not None:
             request.fell_back = True
             self._modes.auto_fallbacks.add(1)
@@ -116,6 +119,11 @@ class RoundTelemetry:
             return (
                 f"target-only: the best expected gain is {turn.gain:.2f}x (below {policy.pause_below:g}) "
                 f"at α̂ {turn.alpha:.2f}; a probe follows"
+            )
+        if turn.how == common_pb2.AUTO_CHOICE_LOAD:
+            return (
+                f"held at k=0 by the batch: its draft tokens would lower the step's committed tokens/s "
+                f"(α̂ {turn.alpha:.2f} kept; it speculates again when the batch allows)"
             )
         if turn.how == common_pb2.AUTO_CHOICE_PROBE:
             return f"probing with k={turn.k}: measuring the acceptance and the draft's cost"

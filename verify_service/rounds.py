@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from specdec.batch_gain import choose_ks
 from specdec.engine import pin_torch_threads
 from specdec.errors import Internal, ServiceError, Unavailable
 from specdec.v1 import common_pb2, verify_pb2
@@ -27,7 +28,7 @@ from verify_service.draft_client import DraftClient, DraftLost, ProposalLink, Se
 from verify_service.plan import AUTO
 from verify_service.request_state import MAX_AHEAD, Request, target_only
 from verify_service.round_telemetry import RoundTelemetry
-from verify_service.verifier import NO_DRAFT, DraftProposal, Prefill, Release, Verified, Verifier, Verify
+from verify_service.verifier import NO_DRAFT, DraftProposal, Forwarded, Prefill, Release, Verified, Verifier, Verify
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RoundLoop:
         self._proposing: list[Request] = []  # the requests whose proposals the step waits for
         self._planned: list[Request] | None = None  # the next step's requests, their rounds chosen
         self._asked: list[Request] = []  # those of them whose proposals were asked for
+        self._previous_step: tuple[float, float] | None = None  # its start, its forward and wait
         self._thread = threading.Thread(target=self._run, name="verify-rounds", daemon=True)
         self._thread.start()
 
@@ -141,6 +143,7 @@ class RoundLoop:
         while True:
             with self._cond:
                 while not (self._incoming or self._calls or self._woken or self._stopping or self._has_work()):
+                    self._previous_step = None  # an idle wait is no step's cost
                     self._cond.wait()
                 incoming, self._incoming = self._incoming, []
                 calls, self._calls = self._calls, []
@@ -203,6 +206,7 @@ class RoundLoop:
         if self._planned is None:
             self._plan(set(), set())
         planned, self._planned = self._planned or [], None
+        step_start = time.perf_counter()
         prefill = self._prefill_chunks()
         if not planned and not prefill:
             return
@@ -216,6 +220,7 @@ class RoundLoop:
         start_ns = time.time_ns()
         forwarded = self._verifier.forward(rounds, prefill)
         end_ns = time.time_ns()
+        self._observe_step(proposed, forwarded, step_start)
         committed: list[tuple[Request, Verify, verify_pb2.DecodeChunk]] = []
         for request, step, verified in zip(ready, rounds, forwarded.verified):
             if isinstance(verified, Exception):
@@ -232,6 +237,23 @@ class RoundLoop:
             request = next(r for r in self._active if r.sid == sid)
             if not self._prefilling(request):
                 self._telemetry.end_prefill(request)
+
+    def _observe_step(self, proposed: Proposed, forwarded: Forwarded, step_start: float) -> None:
+        """What the step cost, for the batch chooser: its forward by sessions and rows, the
+        draft's batched steps (the largest k, the sum of k) by the wait for them, and the
+        rest of the step before it (from its start to this one's: commits, spans, hand-over)."""
+        costs = self._auto.step_costs
+        previous, self._previous_step = self._previous_step, None
+        if costs is None or not forwarded.seconds:
+            return
+        costs.observe_forward(forwarded.sessions, forwarded.positions, forwarded.seconds)
+        ks = [len(p.ids) for p in proposed.by_session.values()]
+        if ks and max(ks):
+            costs.observe_draft(max(ks), sum(ks), proposed.wait_s)
+        if previous is not None:
+            start, busy = previous
+            costs.observe_rest(step_start - start - busy)
+        self._previous_step = (step_start, forwarded.seconds + proposed.wait_s)
 
     def _await_send(self, request: Request) -> None:
         """A lone request's forward waits until its last chunk has left: with nothing else
@@ -250,7 +272,10 @@ class RoundLoop:
         the proposals in one message (the step that runs them waits for the answer)."""
         planned = [r for r in self._active if r.sid not in finishing and self._ready(r, r.sid in emitting)]
         for request in planned:
-            self._begin_round(request)
+            self._check_draft(request)
+        for request, turn in zip(planned, self._choose_step(planned)):
+            speculating = turn.k > 0 and request.draft is not None
+            request.plan_round(turn, *self._telemetry.start_round(request, speculating))
         self._planned = planned
         speculating = [r for r in planned if r.upcoming.turn.k > 0 and r.draft is not None]
         self._asked = speculating
@@ -269,16 +294,39 @@ class RoundLoop:
 
     # One request's round: choose, propose, verify (shared), commit, emit.
 
-    def _begin_round(self, request: Request) -> None:
-        """The request's next round: its k, its span (opened now: its proposal's wait counts)."""
+    def _check_draft(self, request: Request) -> None:
+        """A draft session whose opening failed sends its request target-only."""
         if request.draft is not None and request.draft.opening is not None:
             try:
                 request.draft.check_open()
             except DraftLost as lost:
                 self._lose_draft(request, lost)
-        turn = self._choose(request)
-        speculating = turn.k > 0 and request.draft is not None
-        request.plan_round(turn, *self._telemetry.start_round(request, speculating))
+
+    def _choose_step(self, planned: list[Request]) -> list[Choice]:
+        """Every planned round's k: each request's own choice, then, for the AUTO sessions
+        whose own gain is worth speculating (BEST_K), the batch chooser's k with the whole
+        step in view (the others' k and the prompt chunks count as rows of the forward)."""
+        turns = [self._choose(request) for request in planned]
+        chosen = [i for i, turn in enumerate(turns) if turn.how == common_pb2.AUTO_CHOICE_BEST_K]
+        costs = self._auto.step_costs
+        chunk_rows = sum(self._prefill_chunks().values())
+        if not chosen or costs is None or (len(planned) == 1 and not chunk_rows):
+            return turns  # alone, a session's own choice is the chooser's (with its pause margin)
+        k_max = self._auto.policy.k_max
+        step = costs.step_costs(len(planned), k_max, chunk_rows)
+        if step is None:  # the draft's batched cost is not known yet: each session's own k
+            return turns
+        caps = [turn.k for turn in turns]
+        for i in chosen:
+            caps[i] = min(k_max, planned[i].remaining - 1)
+        floors = [0 if i in chosen else turn.k for i, turn in enumerate(turns)]
+        prior = self._auto.prior_alpha()
+        alphas = [turn.alpha if turn.alpha else prior for turn in turns]
+        ks, goodput = choose_ks(alphas, step, k_max, caps, floors)
+        for i in chosen:
+            how = common_pb2.AUTO_CHOICE_BEST_K if ks[i] else common_pb2.AUTO_CHOICE_LOAD
+            turns[i] = replace(turns[i], k=ks[i], how=how, predicted_tokens_per_s=goodput)
+        return turns
 
     def _choose(self, request: Request) -> Choice:
         """What the round does: its k never proposes past the last position the request
@@ -289,7 +337,11 @@ class RoundLoop:
             how = common_pb2.AUTO_CHOICE_SHORT_OUTPUT if short else common_pb2.AUTO_CHOICE_UNSPECIFIED
             return Choice(0, how, 0.0, 0.0)
         if request.auto is not None:
-            choice = request.auto.next()
+            scheduled = self._auto.policy.scheduled_k(len(self._active))
+            if scheduled is None:
+                choice = request.auto.next()
+            else:
+                choice = Choice(scheduled, common_pb2.AUTO_CHOICE_SCHEDULE, 0.0, request.auto.alpha)
         else:
             choice = Choice(plan.num_draft_tokens, common_pb2.AUTO_CHOICE_UNSPECIFIED, 0.0, 0.0)
         return replace(choice, k=min(choice.k, request.remaining - 1))
@@ -369,8 +421,10 @@ class RoundLoop:
             alpha_estimate=turn.alpha,
             batch_sessions=sessions,
             batch_positions=positions,
+            predicted_tokens_per_s=turn.predicted_tokens_per_s,
         )
         request.usage.add(stats, len(tokens))
+        request.load.add(stats, request.plan.mode == AUTO)
         self.totals.proposed += stats.draft_tokens
         self.totals.accepted += stats.accepted_tokens
         self._observe(request, stats, len(tokens))

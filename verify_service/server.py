@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from specdec import defaults
-from specdec.costs import forward_seconds
+from specdec.costs import batch_forward_seconds, forward_seconds
 from specdec.errors import ServiceError
 from specdec.facts import kv_pool_info, peer_facts
 from specdec.fingerprint import load_fingerprint
@@ -25,7 +25,7 @@ from specdec.serving import Service, setup_logging
 from specdec.telemetry import Telemetry, incoming
 from specdec.v1 import pairing_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.admission import Limits
-from verify_service.auto_mode import AutoPolicy, ServiceAuto
+from verify_service.auto_mode import AutoPolicy, ServiceAuto, parse_table
 from verify_service.decoder import DecodeLimits, Decoder, session_kv_budget
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from verify_service.round_telemetry import Instruments
@@ -51,6 +51,14 @@ class VerifyConfig:
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
     speculation: str = option("auto", "speculation mode of a request that names none: auto, on or off")
     auto_min_new_tokens: int = option(32, "AUTO mode: requests with max_new_tokens at most this run target-only")
+    speculation_policy: str = option(
+        "goodput",
+        "how AUTO mode chooses k: goodput (each step, from the batch's measured costs and each request's "
+        "acceptance), table (k by requests in flight, --speculation-table) or fixed (ON's k under any load)",
+    )
+    speculation_table: str = option(
+        "10:4,20:3,30:2", "the table policy: below BOUND requests in flight, k = K; from the last bound on, target-only"
+    )
     max_sessions: int = option(16, "most requests decoded at once (more wait in the queue); sizes the KV budget")
     max_queued: int = option(16, "most requests waiting for a session slot (more get RESOURCE_EXHAUSTED at once)")
     session_kv_mib: float = option(
@@ -142,6 +150,14 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     """Runs the service until SIGTERM; `probe` reads the host facts (tests play other hosts)."""
     if config.speculation not in SPECULATION_MODES:
         raise SystemExit(f"--speculation: must be one of {', '.join(SPECULATION_MODES)}, not {config.speculation!r}")
+    try:
+        policy = AutoPolicy(
+            min_new_tokens=config.auto_min_new_tokens,
+            schedule=config.speculation_policy,
+            table=parse_table(config.speculation_table),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--speculation-policy/--speculation-table: {exc}") from None
     log = setup_logging("verify")
     telemetry = Telemetry("specdec-verify", config.metrics_listen, log)
     if config.threads:
@@ -171,7 +187,6 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         return peer_facts(model, config.model, tokenizer, probe, kv_budget)
 
     verifier = Verifier(model)
-    policy = AutoPolicy(min_new_tokens=config.auto_min_new_tokens)
     auto = ServiceAuto(policy)
     draft = None
     if config.draft:
@@ -211,12 +226,19 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     positions = range(1, policy.k_max + 2)
     started = time.perf_counter()
     forward_s = decoder.loop.call(lambda: forward_seconds(model, positions))
-    auto.calibrate(forward_s)
+    # The batch chooser's grid: sessions up to the most decoded at once, each with a round's
+    # positions up to k_max + 1 (the chooser interpolates between them).
+    sessions = sorted({min(s, config.max_sessions) for s in (1, 4, 16)})
+    each = [p for p in (1, 2, 3, 5, 9, 17) if p <= policy.k_max + 1]
+    batch_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions, each, repeats=3))
+    auto.calibrate(forward_s, batch_s)
     log.info(
-        "measured the target's forward over 1..%d positions for AUTO mode in %.2f s (ms: %s)",
-        positions[-1],
+        "measured the target's forward for AUTO mode in %.2f s: over 1..%d positions (ms: %s); "
+        "sessions x positions each (ms: %s)",
         time.perf_counter() - started,
+        positions[-1],
         " ".join(f"{n}:{s * 1e3:.2f}" for n, s in forward_s.items()),
+        " ".join(f"{s}x{p}:{t * 1e3:.2f}" for (s, p), t in batch_s.items()),
     )
     sweeper = IdleSweeper(config.session_idle_s, decoder.expire_idle, "verify-idle")
     observe_sessions(telemetry.meter, lambda: decoder.admission.active, "requests being decoded")

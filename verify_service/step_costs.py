@@ -8,25 +8,27 @@ Used from the round loop's thread only."""
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import deque
 from collections.abc import Mapping
 
-from specdec.batch_gain import StepCosts
+import numpy as np
+
+from specdec.batch_gain import StepCosts, lower_hull
 
 WINDOW = 32  # recent steps each measured cost is taken over
 MIN_DRAFT_SAMPLES = 3  # steps with proposals before the draft's cost is trusted
 
 
-def _along(points: list[tuple[int, float]], x: float) -> float:
+def _along(points: list[tuple[int, float]], x: np.ndarray) -> np.ndarray:
     """Linear through sorted (x, y) points, extended beyond them at the end segments' slopes."""
+    xs = np.array([p for p, _ in points], dtype=float)
+    ys = np.array([q for _, q in points])
     if len(points) == 1:
-        return points[0][1]
-    for (x1, y1), (x2, y2) in itertools.pairwise(points):
-        if x <= x2 or (x2, y2) == points[-1]:
-            return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
-    raise AssertionError("unreachable")
+        return np.full(x.shape, ys[0])
+    below = ys[0] + (ys[1] - ys[0]) * (x - xs[0]) / (xs[1] - xs[0])
+    above = ys[-1] + (ys[-1] - ys[-2]) * (x - xs[-1]) / (xs[-1] - xs[-2])
+    return np.where(x < xs[0], below, np.where(x > xs[-1], above, np.interp(x, xs, ys)))
 
 
 class ServedStepCosts:
@@ -37,7 +39,9 @@ class ServedStepCosts:
         curves: dict[int, list[tuple[int, float]]] = {}
         for (sessions, positions), seconds in forward_s.items():
             curves.setdefault(sessions, []).append((sessions * positions, seconds))
-        self._curves = {s: sorted(points) for s, points in sorted(curves.items())}
+        # Each count's curve made convex (its lower hull): the chooser prices rows on a convex
+        # cost, and the served scale must be taken against the same curve it scales.
+        self._curves = {s: lower_hull(sorted(points)) for s, points in sorted(curves.items())}
         self._scale: deque[float] = deque(maxlen=WINDOW)  # served forward / predicted
         self._draft: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (K, Σk, seconds)
         self._rest: deque[float] = deque(maxlen=WINDOW)
@@ -46,16 +50,22 @@ class ServedStepCosts:
         """Predicted seconds of a served forward over `rows` rows of `sessions` sessions:
         along each calibrated session count's curve, then linear between the two counts
         around `sessions` (the nearest one outside them), times the served scale."""
+        return float(self._forwards(sessions, np.array([rows], dtype=float))[0]) * self._served_scale()
+
+    def _served_scale(self) -> float:
+        return statistics.median(self._scale) if self._scale else 1.0
+
+    def _forwards(self, sessions: int, rows: np.ndarray) -> np.ndarray:
+        """The calibration's seconds of forwards over each of `rows`, unscaled."""
         counts = list(self._curves)
         below = max((s for s in counts if s <= sessions), default=counts[0])
         above = min((s for s in counts if s >= sessions), default=counts[-1])
         low, high = _along(self._curves[below], rows), _along(self._curves[above], rows)
-        seconds = low if above == below else low + (high - low) * (sessions - below) / (above - below)
-        return seconds * (statistics.median(self._scale) if self._scale else 1.0)
+        return low if above == below else low + (high - low) * (sessions - below) / (above - below)
 
     def observe_forward(self, sessions: int, rows: int, seconds: float) -> None:
         """A served forward: how much slower (or faster) than the calibration predicts."""
-        predicted = self.forward(sessions, rows) / (statistics.median(self._scale) if self._scale else 1.0)
+        predicted = float(self._forwards(sessions, np.array([rows], dtype=float))[0])
         if predicted > 0:
             self._scale.append(seconds / predicted)
 
@@ -69,28 +79,24 @@ class ServedStepCosts:
         """A step's time beyond its forward and its wait for proposals."""
         self._rest.append(max(0.0, seconds))
 
-    def draft_line(self) -> tuple[float, float] | None:
-        """(seconds per batched draft step, seconds per session in it), by least squares
-        over recent steps (non-negative); None until MIN_DRAFT_SAMPLES steps. While every
-        sample has one session per draft step, all of a step's cost is taken as fixed."""
+    def draft_line(self) -> tuple[float, float, float] | None:
+        """(seconds per call, per batched draft step, per session in a step) by least
+        squares over recent steps: the fullest set of these terms that the samples tell
+        apart (not when every step had one session, Σk = K; not when every K was the same)
+        and that fits none negative; None until MIN_DRAFT_SAMPLES steps. Failing all,
+        a draft step costs the median of wait / K."""
         if len(self._draft) < MIN_DRAFT_SAMPLES:
             return None
-        xs = [(float(k), float(total)) for k, total, _ in self._draft]
-        ys = [seconds for *_, seconds in self._draft]
-        saa = sum(a * a for a, _ in xs)
-        sbb = sum(b * b for _, b in xs)
-        sab = sum(a * b for a, b in xs)
-        say = sum(a * y for (a, _), y in zip(xs, ys))
-        sby = sum(b * y for (_, b), y in zip(xs, ys))
-        det = saa * sbb - sab * sab
-        if det <= 1e-9 * saa * sbb:  # Σk proportional to K in every sample: no per-session term to tell apart
-            return sum(ys) / sum(a for a, _ in xs), 0.0
-        fixed, per = (say * sbb - sby * sab) / det, (sby * saa - say * sab) / det
-        if per < 0:
-            return sum(ys) / sum(a for a, _ in xs), 0.0
-        if fixed < 0:
-            return 0.0, sum(ys) / sum(b for _, b in xs)
-        return fixed, per
+        x = np.array([(1.0, k, total) for k, total, _ in self._draft])
+        y = np.array([seconds for *_, seconds in self._draft])
+        for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2)):  # the first the samples determine, none negative
+            if np.linalg.matrix_rank(x[:, terms]) < len(terms):
+                continue
+            coef, *_ = np.linalg.lstsq(x[:, terms], y, rcond=None)
+            if (coef >= -1e-9 * float(np.abs(y).max())).all():  # exact samples fit zeros as ±1e-18
+                fitted = dict(zip(terms, np.clip(coef, 0.0, None).tolist()))
+                return fitted.get(0, 0.0), fitted.get(1, 0.0), fitted.get(2, 0.0)
+        return 0.0, statistics.median(seconds / k for k, _, seconds in self._draft), 0.0
 
     def step_costs(self, sessions: int, k_max: int, other_rows: int = 0) -> StepCosts | None:
         """The StepCosts of a step of `sessions` rounds beside `other_rows` rows of prompt
@@ -99,9 +105,9 @@ class ServedStepCosts:
         line = self.draft_line()
         if line is None:
             return None
-        points = tuple(
-            (sessions + extra, self.forward(sessions, sessions + extra + other_rows))
-            for extra in range(sessions * k_max + 1)
-        )
+        rows = np.arange(sessions, sessions * (k_max + 1) + 1)
+        seconds = self._forwards(sessions, (rows + other_rows).astype(float)) * self._served_scale()
+        points = tuple(zip(rows.tolist(), seconds.tolist()))
         rest = statistics.median(self._rest) if self._rest else 0.0
-        return StepCosts(verify_points=points, draft_fixed=line[0], draft_per_session=line[1], rest=rest)
+        call, fixed, per = line
+        return StepCosts(points, draft_call=call, draft_fixed=fixed, draft_per_session=per, rest=rest)

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"`\n\x0bSpeculation\x12\x13\n\x0bspeculating\x18\x01 \x01(\x08\x12,\n\x06reason\x18\x02 \x01(\x0e\x32\x1c.specdec.v1.TargetOnlyReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xf6\x02\n\nRoundStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12)\n\x07\x63losing\x18\x04 \x01(\x0e\x32\x18.specdec.v1.ClosingToken\x12\x15\n\rdraft_time_us\x18\x05 \x01(\x04\x12\x16\n\x0everify_time_us\x18\x06 \x01(\x04\x12\x18\n\x10\x64raft_compute_us\x18\x07 \x01(\x04\x12)\n\x04mode\x18\x08 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12+\n\x0b\x61uto_choice\x18\t \x01(\x0e\x32\x16.specdec.v1.AutoChoice\x12\x15\n\rexpected_gain\x18\n \x01(\x01\x12\x16\n\x0e\x61lpha_estimate\x18\x0b \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x0c \x01(\r\x12\x17\n\x0f\x62\x61tch_positions\x18\r \x01(\r\"b\n\nKVPoolInfo\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x01 \x01(\x04\x12\x17\n\x0freserved_tokens\x18\x02 \x01(\x04\x12\x13\n\x0bused_tokens\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xc7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x05 \x01(\r\x12\x12\n\nrejections\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x11\n\talpha_hat\x18\x08 \x01(\x01*\x81\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13SPECULATION_MODE_ON\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x03*\xa5\x02\n\x10TargetOnlyReason\x12\"\n\x1eTARGET_ONLY_REASON_UNSPECIFIED\x10\x00\x12%\n!TARGET_ONLY_REASON_OFF_BY_REQUEST\x10\x01\x12(\n$TARGET_ONLY_REASON_DRAFT_UNAVAILABLE\x10\x02\x12&\n\"TARGET_ONLY_REASON_DRAFT_TIMED_OUT\x10\x03\x12$\n TARGET_ONLY_REASON_DRAFT_REFUSED\x10\x04\x12(\n$TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT\x10\x05\x12$\n TARGET_ONLY_REASON_AUTO_LOW_GAIN\x10\x06*\x90\x01\n\nAutoChoice\x12\x1b\n\x17\x41UTO_CHOICE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UTO_CHOICE_SHORT_OUTPUT\x10\x01\x12\x16\n\x12\x41UTO_CHOICE_BEST_K\x10\x02\x12\x18\n\x14\x41UTO_CHOICE_LOW_GAIN\x10\x03\x12\x15\n\x11\x41UTO_CHOICE_PROBE\x10\x04*d\n\x0c\x43losingToken\x12\x1d\n\x19\x43LOSING_TOKEN_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43LOSING_TOKEN_CORRECTION\x10\x01\x12\x17\n\x13\x43LOSING_TOKEN_BONUS\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"`\n\x0bSpeculation\x12\x13\n\x0bspeculating\x18\x01 \x01(\x08\x12,\n\x06reason\x18\x02 \x01(\x0e\x32\x1c.specdec.v1.TargetOnlyReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x96\x03\n\nRoundStats\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12)\n\x07\x63losing\x18\x04 \x01(\x0e\x32\x18.specdec.v1.ClosingToken\x12\x15\n\rdraft_time_us\x18\x05 \x01(\x04\x12\x16\n\x0everify_time_us\x18\x06 \x01(\x04\x12\x18\n\x10\x64raft_compute_us\x18\x07 \x01(\x04\x12)\n\x04mode\x18\x08 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12+\n\x0b\x61uto_choice\x18\t \x01(\x0e\x32\x16.specdec.v1.AutoChoice\x12\x15\n\rexpected_gain\x18\n \x01(\x01\x12\x16\n\x0e\x61lpha_estimate\x18\x0b \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x0c \x01(\r\x12\x17\n\x0f\x62\x61tch_positions\x18\r \x01(\r\x12\x1e\n\x16predicted_tokens_per_s\x18\x0e \x01(\x01\"b\n\nKVPoolInfo\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x01 \x01(\x04\x12\x17\n\x0freserved_tokens\x18\x02 \x01(\x04\x12\x13\n\x0bused_tokens\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xc7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x05 \x01(\r\x12\x12\n\nrejections\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x11\n\talpha_hat\x18\x08 \x01(\x01*\x81\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13SPECULATION_MODE_ON\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x03*\xa5\x02\n\x10TargetOnlyReason\x12\"\n\x1eTARGET_ONLY_REASON_UNSPECIFIED\x10\x00\x12%\n!TARGET_ONLY_REASON_OFF_BY_REQUEST\x10\x01\x12(\n$TARGET_ONLY_REASON_DRAFT_UNAVAILABLE\x10\x02\x12&\n\"TARGET_ONLY_REASON_DRAFT_TIMED_OUT\x10\x03\x12$\n TARGET_ONLY_REASON_DRAFT_REFUSED\x10\x04\x12(\n$TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT\x10\x05\x12$\n TARGET_ONLY_REASON_AUTO_LOW_GAIN\x10\x06*\xc0\x01\n\nAutoChoice\x12\x1b\n\x17\x41UTO_CHOICE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UTO_CHOICE_SHORT_OUTPUT\x10\x01\x12\x16\n\x12\x41UTO_CHOICE_BEST_K\x10\x02\x12\x18\n\x14\x41UTO_CHOICE_LOW_GAIN\x10\x03\x12\x15\n\x11\x41UTO_CHOICE_PROBE\x10\x04\x12\x14\n\x10\x41UTO_CHOICE_LOAD\x10\x05\x12\x18\n\x14\x41UTO_CHOICE_SCHEDULE\x10\x06*d\n\x0c\x43losingToken\x12\x1d\n\x19\x43LOSING_TOKEN_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43LOSING_TOKEN_CORRECTION\x10\x01\x12\x17\n\x13\x43LOSING_TOKEN_BONUS\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMODE']._serialized_start=914
-  _globals['_SPECULATIONMODE']._serialized_end=1043
-  _globals['_TARGETONLYREASON']._serialized_start=1046
-  _globals['_TARGETONLYREASON']._serialized_end=1339
-  _globals['_AUTOCHOICE']._serialized_start=1342
-  _globals['_AUTOCHOICE']._serialized_end=1486
-  _globals['_CLOSINGTOKEN']._serialized_start=1488
-  _globals['_CLOSINGTOKEN']._serialized_end=1588
-  _globals['_FINISHREASON']._serialized_start=1590
-  _globals['_FINISHREASON']._serialized_end=1708
+  _globals['_SPECULATIONMODE']._serialized_start=946
+  _globals['_SPECULATIONMODE']._serialized_end=1075
+  _globals['_TARGETONLYREASON']._serialized_start=1078
+  _globals['_TARGETONLYREASON']._serialized_end=1371
+  _globals['_AUTOCHOICE']._serialized_start=1374
+  _globals['_AUTOCHOICE']._serialized_end=1566
+  _globals['_CLOSINGTOKEN']._serialized_start=1568
+  _globals['_CLOSINGTOKEN']._serialized_end=1668
+  _globals['_FINISHREASON']._serialized_start=1670
+  _globals['_FINISHREASON']._serialized_end=1788
   _globals['_SAMPLINGPARAMS']._serialized_start=39
   _globals['_SAMPLINGPARAMS']._serialized_end=134
   _globals['_SPECULATION']._serialized_start=136
   _globals['_SPECULATION']._serialized_end=232
   _globals['_ROUNDSTATS']._serialized_start=235
-  _globals['_ROUNDSTATS']._serialized_end=609
-  _globals['_KVPOOLINFO']._serialized_start=611
-  _globals['_KVPOOLINFO']._serialized_end=709
-  _globals['_USAGE']._serialized_start=712
-  _globals['_USAGE']._serialized_end=911
+  _globals['_ROUNDSTATS']._serialized_end=641
+  _globals['_KVPOOLINFO']._serialized_start=643
+  _globals['_KVPOOLINFO']._serialized_end=741
+  _globals['_USAGE']._serialized_start=744
+  _globals['_USAGE']._serialized_end=943
 # @@protoc_insertion_point(module_scope)

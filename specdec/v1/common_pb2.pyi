@@ -29,6 +29,8 @@ class AutoChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTO_CHOICE_BEST_K: _ClassVar[AutoChoice]
     AUTO_CHOICE_LOW_GAIN: _ClassVar[AutoChoice]
     AUTO_CHOICE_PROBE: _ClassVar[AutoChoice]
+    AUTO_CHOICE_LOAD: _ClassVar[AutoChoice]
+    AUTO_CHOICE_SCHEDULE: _ClassVar[AutoChoice]
 
 class ClosingToken(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -58,6 +60,8 @@ AUTO_CHOICE_SHORT_OUTPUT: AutoChoice
 AUTO_CHOICE_BEST_K: AutoChoice
 AUTO_CHOICE_LOW_GAIN: AutoChoice
 AUTO_CHOICE_PROBE: AutoChoice
+AUTO_CHOICE_LOAD: AutoChoice
+AUTO_CHOICE_SCHEDULE: AutoChoice
 CLOSING_TOKEN_UNSPECIFIED: ClosingToken
 CLOSING_TOKEN_CORRECTION: ClosingToken
 CLOSING_TOKEN_BONUS: ClosingToken
@@ -89,7 +93,7 @@ class Speculation(_message.Message):
     def __init__(self, speculating: _Optional[bool] = ..., reason: _Optional[_Union[TargetOnlyReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us", "mode", "auto_choice", "expected_gain", "alpha_estimate", "batch_sessions", "batch_positions")
+    __slots__ = ("index", "draft_tokens", "accepted_tokens", "closing", "draft_time_us", "verify_time_us", "draft_compute_us", "mode", "auto_choice", "expected_gain", "alpha_estimate", "batch_sessions", "batch_positions", "predicted_tokens_per_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +107,7 @@ class RoundStats(_message.Message):
     ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     index: int
     draft_tokens: int
     accepted_tokens: int
@@ -116,7 +121,8 @@ class RoundStats(_message.Message):
     alpha_estimate: float
     batch_sessions: int
     batch_positions: int
-    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ..., mode: _Optional[_Union[SpeculationMode, str]] = ..., auto_choice: _Optional[_Union[AutoChoice, str]] = ..., expected_gain: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_positions: _Optional[int] = ...) -> None: ...
+    predicted_tokens_per_s: float
+    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., closing: _Optional[_Union[ClosingToken, str]] = ..., draft_time_us: _Optional[int] = ..., verify_time_us: _Optional[int] = ..., draft_compute_us: _Optional[int] = ..., mode: _Optional[_Union[SpeculationMode, str]] = ..., auto_choice: _Optional[_Union[AutoChoice, str]] = ..., expected_gain: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_positions: _Optional[int] = ..., predicted_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class KVPoolInfo(_message.Message):
     __slots__ = ("capacity_tokens", "reserved_tokens", "used_tokens", "bytes")

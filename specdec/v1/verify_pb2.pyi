@@ -45,7 +45,7 @@ class VerifyInfoRequest(_message.Message):
     def __init__(self, recent_requests: _Optional[int] = ...) -> None: ...
 
 class RecentRequests(_message.Message):
-    __slots__ = ("window", "requests", "mean_completion_tokens", "speculated_requests", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "rejections", "alpha_hat")
+    __slots__ = ("window", "requests", "mean_completion_tokens", "speculated_requests", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "rejections", "alpha_hat", "load_bands")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MEAN_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class RecentRequests(_message.Message):
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     ALPHA_HAT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BANDS_FIELD_NUMBER: _ClassVar[int]
     window: int
     requests: int
     mean_completion_tokens: float
@@ -64,7 +65,28 @@ class RecentRequests(_message.Message):
     acceptance_rate: float
     rejections: int
     alpha_hat: float
-    def __init__(self, window: _Optional[int] = ..., requests: _Optional[int] = ..., mean_completion_tokens: _Optional[float] = ..., speculated_requests: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., rejections: _Optional[int] = ..., alpha_hat: _Optional[float] = ...) -> None: ...
+    load_bands: _containers.RepeatedCompositeFieldContainer[LoadBand]
+    def __init__(self, window: _Optional[int] = ..., requests: _Optional[int] = ..., mean_completion_tokens: _Optional[float] = ..., speculated_requests: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., rejections: _Optional[int] = ..., alpha_hat: _Optional[float] = ..., load_bands: _Optional[_Iterable[_Union[LoadBand, _Mapping]]] = ...) -> None: ...
+
+class LoadBand(_message.Message):
+    __slots__ = ("min_sessions", "max_sessions", "auto_rounds", "held_by_load", "draft_tokens_proposed", "draft_tokens_accepted", "rejections", "alpha_hat")
+    MIN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_LOAD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_HAT_FIELD_NUMBER: _ClassVar[int]
+    min_sessions: int
+    max_sessions: int
+    auto_rounds: int
+    held_by_load: int
+    draft_tokens_proposed: int
+    draft_tokens_accepted: int
+    rejections: int
+    alpha_hat: float
+    def __init__(self, min_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., auto_rounds: _Optional[int] = ..., held_by_load: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., rejections: _Optional[int] = ..., alpha_hat: _Optional[float] = ...) -> None: ...
 
 class VerifyInfo(_message.Message):
     __slots__ = ("model", "parameters", "vocab_size", "max_positions", "device", "draft_address", "max_new_tokens_limit", "active_sessions", "requests", "rounds", "target_forwards", "prefills", "draft_tokens_proposed", "draft_tokens_accepted", "runtime", "pairing", "max_sessions", "recent", "queued_requests", "max_queued", "session_kv_budget_bytes", "session_idle_s", "expired_sessions", "kv_pool", "runtime_detail", "prefill_chunk_tokens")
