@@ -38,6 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bench import report
 from bench.batching import through_services
+from bench.flags import config_from_args
 from bench.report import AUTO, TARGET_ONLY
 from bench.report import AUTO_SHORT as SHORT
 from bench.runs import PEER_CONSTANT, PEER_DEFAULT, PEER_PLAIN, Job, Peer, Run, ours_run, peer_run
@@ -339,13 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peer-threads", type=int, help="torch threads of transformers' generate (2)")
     parser.add_argument("--out", help="folder for bench.json, bench.md and speedup.png")
     args = parser.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if k not in ("quick",) and v is not None}
-    for name in ("lengths", "ks"):
-        if name in fields:
-            fields[name] = tuple(fields[name])
-    if "out" in fields:
-        fields["out"] = Path(fields["out"])
-    config = BenchConfig(**{**(QUICK if args.quick else {}), **fields})
+    config = config_from_args(BenchConfig, args, QUICK, ("lengths", "ks"))
     result = run_bench(config)
     print(report.markdown(result))
     if result["greedy_failures"]:

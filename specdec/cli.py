@@ -213,11 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench",
         add_help=False,  # its own options, see `specdec bench --help`
-        help="speculation against target-only and against transformers' assisted generation, side by side",
+        help="speculation against target-only and against transformers' assisted generation, side by side; "
+        "--load: AUTO against the peers' schedules of k under load",
     ).set_defaults(func=None)
 
     doc = sub.add_parser(
-        "doctor", help="check the deployment guide's five points against live services (exit 1 when one fails)"
+        "doctor", help="check the deployment guide's five points and load against live services (exit 1 when one fails)"
     )
     doc.add_argument("--gateway", help="gateway HOST:PORT to ask (default $SPECDEC_GATEWAY or 127.0.0.1:50051)")
     doc.add_argument("--verify", help="verify service address to ask directly instead (host:port or unix:///path)")
@@ -235,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
+        if "--load" in rest:  # the load sweep: AUTO against the peers' schedules of k
+            from bench.load_sweep import main as load_main
+
+            return load_main([a for a in rest if a != "--load"])
         from bench.benchmark import main as bench_main  # loads transformers' generate only when asked
 
         return bench_main(rest)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.benchmark import BenchConfig, run_bench
+from bench.load_sweep import POLICIES, SweepConfig, run_sweep, write
 from bench.report import AUTO, TARGET_ONLY
 
 TEMPERATURES = (0.0, 0.8)
@@ -100,3 +101,29 @@ def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path, monkeypa
     for family in (25, 26):
         cpuinfo.write_text(f"processor\t: 0\ncpu family\t: {family}\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: avx512f avx512_bf16\n" * 2)
         assert host.cpu_model() == f"AMD EPYC (family {family}, model 2), AVX-512 BF16"
+
+
+def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_output(toy, tmp_path):
+    config = SweepConfig(
+        target=str(toy.target), draft=str(toy.close), streams=(1, 3), rates=(1.0,), temperatures=(0.0, 0.8),
+        seconds=0.5, repeats=1, prompts=3, max_new_tokens=24, out=tmp_path,
+    )  # fmt: skip
+    result = run_sweep(config, progress=lambda line: None)
+    write(result, tmp_path)
+
+    assert json.loads((tmp_path / "load.json").read_text()) == json.loads(json.dumps(result))
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    points = {(p["loop"], p["level"], p["temperature"]): p for p in result["points"]}
+    levels = (("closed", 1), ("closed", 3), ("open", 1.0))
+    assert set(points) == {(loop, level, t) for t in (0.0, 0.8) for loop, level in levels}
+    for point in points.values():
+        assert set(point["policies"]) == set(POLICIES)
+        for measured in point["policies"].values():
+            assert measured["tokens_per_s"] > 0 and 0 <= measured["slo_met"] <= 1
+            assert measured["differ_from_target_only"] == 0  # greedy and seeded sampled outputs alike
+        assert point["auto_over_best_fixed"] > 0 and point["auto_over_table"] > 0
+    # Every completed request was checked against its prompt's target-only output.
+    assert sum(r["requests"] for r in result["runs"]) > len(result["runs"])
+    table = (tmp_path / "load.md").read_text()
+    assert "| T | streams | auto | table | k=2 | k=4 | k=8 | target-only | auto / best fixed | auto / table |" in table
+    assert "All completions equal target-only's." in table
