@@ -125,10 +125,10 @@ def _one(stub, req: generation_pb2.GenerateRequest, index: int, point: Point) ->
         point.requests += 1
         point.tokens += len(tokens)
         point.outputs.append((index, tokens))
-        if ttft is not None:
-            point.ttft_s.append(ttft)
         point.itl_s += gaps
-        point.per_request_itl_p99_s.append(float(np.percentile(gaps, 99)) if gaps else 0.0)
+        if ttft is not None:  # a request's TTFT and its inter-token p99 stay paired for the objective
+            point.ttft_s.append(ttft)
+            point.per_request_itl_p99_s.append(float(np.percentile(gaps, 99)) if gaps else 0.0)
 
 
 def closed_loop(gateway: str, streams: int, request: Callable[[int], tuple], seconds: float) -> tuple[Point, float]:
