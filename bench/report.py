@@ -35,7 +35,7 @@ GOALS = {
     "auto_vs_best_k_min": 0.95,  # AUTO over the best fixed k, longer outputs
     "auto_mismatched_min": 0.95,  # AUTO over target-only with the mismatched draft
 }
-AUTO_SHORT = 32  # the verify service's default --auto-min-new-tokens
+AUTO_SHORT = 32  # outputs this short must never run below target-only under AUTO
 
 
 def _median(values: list[float]) -> float:

@@ -4,8 +4,10 @@ keeps missing."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -251,22 +253,76 @@ def test_before_the_drafts_cost_is_known_a_session_probes():
     assert service.ratios(greedy=True)[0] < service.ratios(greedy=False)[0]
 
 
+def test_a_sessions_own_gain_comes_from_rounds_that_ran_alone():
+    """Rounds served in a batch carry the batch's forward and proposals: they stand in only
+    until some session ran alone, so load does not read as a draft that stopped paying."""
+    service = ServiceAuto(AutoPolicy(), calibration())
+    for _ in range(3):  # batched rounds: the draft proposes for 16 sessions while the target-only ones wait less
+        service.observe(True, False, 4, 0.200, 0.050, 0.260)
+        service.observe(True, False, 0, 0.0, 0.045, 0.050)
+    loaded = service.ratios(greedy=True)
+    assert loaded is not None and best_k(0.8, *loaded)[1] < PAUSE_BELOW
+    for _ in range(3):  # alone: the forward as calibrated, 1 ms a draft token
+        verify_5 = calibration()[5]
+        service.observe(True, True, 4, 0.004, verify_5, 0.004 + verify_5 + 0.003)
+    alone = service.ratios(greedy=True)
+    assert best_k(0.8, *alone)[1] > 1.5
+    for _ in range(50):  # more load changes nothing alone
+        service.observe(True, False, 4, 0.200, 0.050, 0.260)
+    assert service.ratios(greedy=True) == alone
+
+
+def test_whether_a_request_opens_its_draft_is_priced_from_what_opening_costs_as_served():
+    """(N − 1)·T0·(1 − 1/g) saved against the draft's prefill and first round's extra wait."""
+    service = ServiceAuto(AutoPolicy(), calibration())
+    assert service.opening(2, greedy=True).pays  # nothing measured yet: open, to measure
+    assert not service.opening(1, greedy=True).pays  # one token: one target-only round, whatever the costs
+    costs_measured(service.greedy)
+    for _ in range(100):
+        service.observe_alpha(4, False)  # the draft hits: the service's α̂ is 1
+    for _ in range(3):
+        service.observe_opening(0.040)
+        service.observe_first_round(4, 4 * 0.001 + 0.010, greedy=True)  # 10 ms beyond a steady round's wait
+    token = 0.007 + 0.002
+    _, g = best_k(1.0, *service.ratios(greedy=True), AutoPolicy().k_max)
+    pays_from = 1 + 0.050 / (token * (1 - 1 / g))  # the first N whose saving passes 50 ms
+    below, above = int(pays_from), int(pays_from) + 1
+    assert not service.opening(below, greedy=True).pays and service.opening(above, greedy=True).pays
+    assert "50.0 ms to open" in service.opening(below, greedy=True).detail
+    # A cheaper prefill, measured, opens drafts for shorter requests.
+    for _ in range(10):
+        service.observe_opening(0.001)
+    assert service.opening(below, greedy=True).pays
+    # Where no k gains at the service's α̂, opening is left to the session's own rounds
+    # (a pause after a probe): declining here would keep the service's α̂ from ever recovering.
+    for _ in range(2000):
+        service.observe_alpha(0, True)
+    assert service.opening(3, greedy=True).pays
+
+
 # --- through the services ------------------------------------------------------------------
 
 
 def test_short_requests_never_contact_the_draft(far_stack):
     before = draft_info(far_stack)
-    completion = run(far_stack, auto_request(32))
+    completion = run(far_stack, auto_request(1))
     after = draft_info(far_stack)
-    assert len(completion.token_ids) == 32
+    assert len(completion.token_ids) == 1
     assert (after.forwards, after.proposals) == (before.forwards, before.proposals)
-    for m in completion.messages:
-        assert m.round.mode == common_pb2.SPECULATION_MODE_AUTO
-        assert m.round.auto_choice == common_pb2.AUTO_CHOICE_SHORT_OUTPUT and m.round.draft_tokens == 0
-        assert m.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
-    # One token longer is past the threshold: the same request opens a draft session.
-    run(far_stack, auto_request(33))
-    assert draft_info(far_stack).forwards > after.forwards
+    [m] = completion.messages
+    assert m.round.mode == common_pb2.SPECULATION_MODE_AUTO
+    assert m.round.auto_choice == common_pb2.AUTO_CHOICE_SHORT_OUTPUT and m.round.draft_tokens == 0
+    assert m.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
+
+
+def test_32_token_greedy_requests_on_the_embedded_pair_speculate(default_pair_stack):
+    """A fixed cut-off at 32 tokens ran these target-only; the opening's measured cost is a
+    small part of what 31 speculative tokens save on this pair."""
+    prompt = defaults.heldout_prompts_by_file()["py_compile.py"]
+    for _ in range(4):  # the opening's cost is measured over the first sessions
+        warm = run(default_pair_stack, auto_request(32, text=prompt), timeout=120)
+    assert warm.usage.draft_tokens_proposed > 0
+    assert warm.messages[0].speculation.speculating
 
 
 def test_every_auto_round_says_what_it_chose_and_the_output_stays_exact(far_stack):
@@ -336,6 +392,34 @@ def test_sixteen_streams_of_a_draft_that_keeps_missing_run_target_only_but_for_p
     assert bands[(5, 16)].auto_rounds > 0 and bands[(5, 16)].alpha_hat < 0.3
 
 
+def test_a_session_held_at_k_0_by_load_resumes_speculating_without_a_probe_when_the_others_finish(stack_factory):
+    """A draft that is cheap alone and dear in company (tests/crowded_draft.py): in company
+    the chooser holds the sessions at k = 0 (LOAD, α̂ kept); the one left when the others
+    finish speculates again at once, with no probe, and its output stays exact."""
+    pair = Path(defaults.DEFAULT_TARGET), Path(defaults.DEFAULT_DRAFT)
+    crowded = {"draft": [sys.executable, "tests/crowded_draft.py"]}
+    patient = {"verify": ["--threads", "2", "--draft-deadline-min-ms", "10000"]}
+    stack = stack_factory(*pair, args=patient, programs=crowded)
+    prompt = defaults.heldout_prompts_by_file()["py_compile.py"]
+    for _ in range(3):  # alone: the session's own costs and the draft's line are measured
+        run(stack, auto_request(48, text=prompt), timeout=120)
+    reference = run(stack, request(prompt, max_new_tokens=160, speculation=False), timeout=120)
+    with ThreadPoolExecutor(6) as pool:
+        calls = [pool.submit(run, stack, auto_request(160 if i == 0 else 48, text=prompt), 120) for i in range(6)]
+        long = calls[0].result()
+    assert long.token_ids == reference.token_ids
+    rounds = [m.round for m in long.messages[:-1]]
+    held = [i for i, r in enumerate(rounds) if r.auto_choice == LOAD]
+    assert held, [(r.auto_choice, r.draft_tokens, r.batch_sessions) for r in rounds]
+    assert all(rounds[i].batch_sessions > 1 and rounds[i].draft_tokens == 0 for i in held)
+    # Held rounds are not evidence against the draft: α̂ stays as it was.
+    assert all(rounds[i].alpha_estimate == rounds[i - 1].alpha_estimate for i in held if i - 1 in held)
+    after = rounds[held[-1] + 1 :]
+    alone = [r for r in after if r.batch_sessions == 1]
+    assert alone and alone[0].auto_choice == BEST_K and alone[0].draft_tokens > 0
+    assert PROBE not in {r.auto_choice for r in after}
+
+
 @pytest.mark.parametrize("in_flight", [1, 16])
 def test_seeded_sampled_auto_requests_equal_their_target_only_output_at_any_load(shared_stack, in_flight):
     """The shared-noise coupling holds while AUTO changes k from round to round and the
@@ -370,12 +454,10 @@ def test_the_default_mode_is_auto_and_a_fixed_k_means_on(far_stack):
 
 
 def test_the_servers_default_mode_is_a_flag(stack_factory, toy):
-    stack = stack_factory(toy.target, toy.same, args={"verify": ["--speculation", "on", "--auto-min-new-tokens", "8"]})
+    stack = stack_factory(toy.target, toy.same, args={"verify": ["--speculation", "on"]})
     unset = request(PROMPT, max_new_tokens=20)
     unset.ClearField("speculation")
     assert all(m.round.mode == common_pb2.SPECULATION_MODE_ON for m in run(stack, unset).messages)
-    # --auto-min-new-tokens moves the threshold: 20 tokens now speculate under AUTO.
-    assert run(stack, auto_request(20)).usage.draft_tokens_proposed > 0
 
 
 def test_the_table_policy_sets_k_by_requests_in_flight_and_an_explicit_k_still_wins(stack_factory, toy):

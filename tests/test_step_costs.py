@@ -66,12 +66,25 @@ def test_step_costs_price_the_chooser_s_rows_beside_prompt_chunks() -> None:
     assert costs.step_costs(4, k_max=4) is None  # the draft's cost is not known yet
     for steps in (2, 4, 3):
         costs.observe_draft(steps, steps, 1e-3 * steps)
-    costs.observe_rest(2e-3)
+    costs.observe_rest(4, 2e-3)
     step = costs.step_costs(4, k_max=4, other_rows=8)
     assert step is not None and step.rest == pytest.approx(2e-3)
     assert (step.draft_call, step.draft_fixed) == pytest.approx((0.0, 1e-3), abs=1e-12)
     for extra in (0, 5, 16):  # the chooser's rows n + Σk are n + Σk + 8 in the forward
         assert step.verify(4 + extra) == pytest.approx(costs.forward(4, 4 + extra + 8))
+
+
+def test_a_steps_rest_is_a_fixed_part_plus_one_per_round() -> None:
+    costs = ServedStepCosts(GRID)
+    assert costs.rest(4) == 0.0
+    for sessions in (2, 4, 8, 16, 4):
+        costs.observe_rest(sessions, 1e-3 + 0.5e-3 * sessions)
+    assert costs.rest(1) == pytest.approx(1.5e-3) and costs.rest(32) == pytest.approx(17e-3)
+    # Steps of one size say nothing of the others: their median stands for every size.
+    one_size = ServedStepCosts(GRID)
+    for seconds in (3e-3, 5e-3, 4e-3):
+        one_size.observe_rest(16, seconds)
+    assert one_size.rest(1) == one_size.rest(16) == pytest.approx(4e-3)
 
 
 def test_batch_forwards_are_calibrated_for_the_session_counts_the_pool_holds(toy) -> None:

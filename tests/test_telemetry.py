@@ -215,7 +215,7 @@ def test_each_service_serves_metrics_that_move_with_a_request(traced, receiver, 
 def test_auto_decisions_show_in_round_stats_round_spans_and_metrics(traced, receiver, metrics_ports):
     port = metrics_ports["verify"]
     before = scrape(port, label="mode")
-    short, longer = request(PROMPT, max_new_tokens=20), request(PROMPT, max_new_tokens=60)
+    short, longer = request(PROMPT, max_new_tokens=1), request(PROMPT, max_new_tokens=60)
     for req in (short, longer):
         req.speculation.mode = common_pb2.SPECULATION_MODE_AUTO
     completions = [run(traced, req) for req in (short, longer)]

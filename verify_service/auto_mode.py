@@ -8,6 +8,10 @@ with every cost measured as this service serves it, in units of one target-only 
   v(k)  = (the target's forward and acceptance over k+1 positions + the rest of a
           speculative round) / T0
 so a gain above 1 is an expected speedup over this service's own target-only rounds.
+These are a session's costs alone, from rounds that ran alone: a round served in a batch
+carries the batch's forward and proposals, so a draft that pays would look like a loss
+under load, where the batch chooser sets k (verify_service/rounds.py). Until some session
+ran alone, every round's costs stand in.
 A forward over n positions costs its calibration at startup times how much slower served
 rounds ran than theirs (acceptance, a longer context, the other processes), a ratio taken
 apart for speculative and target-only rounds; those ratios and the rest are medians over
@@ -21,6 +25,13 @@ below pause_below, a margin under 1 for α̂'s noise), the session runs target-o
 a stretch it probes with one speculative round, its α̂ starting again from the service's.
 Each stretch is twice the one before, unless the session speculated for STEADY_ROUNDS
 rounds in between.
+
+Whether a request opens a draft session at all is priced the same way (`ServiceAuto.opening`):
+its max_new_tokens N at the gain g expected at the service's α̂ save (N − 1)·T0·(1 − 1/g)
+seconds (its last round is target-only: nothing is left to propose past it),
+against what opening costs as served: the draft's prefill (the seconds the draft reports)
+and its first round's wait beyond a steady round's. A request whose saving is smaller runs
+target-only and never contacts the draft.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from verify_service.step_costs import ServedStepCosts
 
 WINDOW = 32  # recent rounds whose median gives each measured cost
 MIN_DRAFT_SAMPLES = 3  # rounds measured before the draft's cost is trusted
+MIN_OPEN_SAMPLES = 3  # draft sessions opened before the opening's cost is trusted
 STEADY_ROUNDS = 8  # speculative rounds in a row after which a pause starts short again
 
 
@@ -67,7 +79,6 @@ def parse_table(text: str) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class AutoPolicy:
-    min_new_tokens: int = 32  # requests with max_new_tokens at most this run target-only
     k_max: int = 16
     probe_k: int = 2  # k of a probe round (and of rounds before the draft's cost is known)
     first_pause_tokens: int = 32  # target-only tokens before the first probe
@@ -97,6 +108,14 @@ class AutoPolicy:
         if self.schedule == "table":
             return next((k for bound, k in self.table if in_flight < bound), 0)
         return None
+
+
+@dataclass(frozen=True)
+class Opening:
+    """Whether an AUTO request opens a draft session, and why."""
+
+    pays: bool
+    detail: str  # the figures the decision took, as a sentence
 
 
 @dataclass(frozen=True)
@@ -162,11 +181,20 @@ class ServedCosts:
             if len(self._draft_per_token) < MIN_DRAFT_SAMPLES:
                 return None
             spec_scale, spec_rest = self._spec_scale.median(1.0), self._spec_rest.median(0.0)
-            # Until a target-only round is measured, assume it runs like a speculative one.
-            token = self._forward[1] * self._solo_scale.median(spec_scale) + self._solo_rest.median(spec_rest)
+            token = self._token_seconds()
             c = self._draft_per_token.median(0.0) / token
             v = {n - 1: (seconds * spec_scale + spec_rest) / token for n, seconds in self._forward.items() if n > 1}
         return c, v
+
+    def token_seconds(self) -> float:
+        """T0: the seconds of a target-only round as served."""
+        with self._lock:
+            return self._token_seconds()
+
+    def _token_seconds(self) -> float:
+        # Until a target-only round is measured, assume it runs like a speculative one.
+        spec_scale, spec_rest = self._spec_scale.median(1.0), self._spec_rest.median(0.0)
+        return self._forward.get(1, 0.0) * self._solo_scale.median(spec_scale) + self._solo_rest.median(spec_rest)
 
 class ServiceAuto:
     """The service's side of AUTO: the policy, the running costs and the α̂ prior."""
@@ -180,14 +208,17 @@ class ServiceAuto:
         self._lock = threading.Lock()
         self._accepted = 0.0
         self._rejected = 0.0
+        self._draft_prefill = _Window()  # seconds of a draft session's prefill, as the draft reports
+        self._first_wait = _Window()  # a first round's wait for its proposal beyond a steady round's
 
     def calibrate(
         self, forward_s: dict[int, float], batch_forward_s: Mapping[tuple[int, int], float] | None = None
     ) -> None:
         """forward_s: one session's forward seconds by positions; batch_forward_s: a
         forward's seconds by (sessions, positions each), for the batch chooser."""
-        self.greedy = ServedCosts(forward_s)
+        self.greedy = ServedCosts(forward_s)  # rounds that ran alone in their step
         self.sampled = ServedCosts(forward_s)
+        self._every_round = {True: ServedCosts(forward_s), False: ServedCosts(forward_s)}  # alone or not
         if batch_forward_s:
             self.step_costs = ServedStepCosts(batch_forward_s)
 
@@ -206,11 +237,66 @@ class ServiceAuto:
             return self._accepted / seen if seen else self.policy.prior_alpha
 
     def ratios(self, greedy: bool) -> tuple[float, dict[int, float]] | None:
-        """c and v(k) of greedy or sampled requests, as their rounds were served (in
-        whatever batches they ran); the other kind's until their own are measured (a
-        better first guess than none)."""
-        own, other = (self.greedy, self.sampled) if greedy else (self.sampled, self.greedy)
-        return own.ratios() or other.ratios()
+        """c and v(k) of a greedy or sampled session alone: what decides whether its draft
+        is worth speculating with at all (under load, the batch chooser sets its k)."""
+        lone = self.lone(greedy)
+        return None if lone is None else lone[:2]
+
+    def observe(self, greedy: bool, alone: bool, k: int, draft_wait_s: float, verify_s: float, period_s: float) -> None:
+        """A steady round (ServedCosts.observe) of a greedy or sampled session; `alone`: the
+        only round of its step."""
+        self._every_round[greedy].observe(k, draft_wait_s, verify_s, period_s)
+        if alone:
+            self.costs(greedy).observe(k, draft_wait_s, verify_s, period_s)
+
+    def lone(self, greedy: bool) -> tuple[float, dict[int, float], float] | None:
+        """(c, v(k), T0 in seconds) of a greedy or sampled session alone: from its kind's
+        rounds that ran alone, else the other kind's (a better first guess than none), else,
+        until some session ran alone, from every round."""
+        kinds = (greedy, not greedy)
+        for costs in [self.costs(kind) for kind in kinds] + [self._every_round[kind] for kind in kinds]:
+            ratios = costs.ratios()
+            if ratios is not None:
+                return (*ratios, costs.token_seconds())
+        return None
+
+    def observe_opening(self, prefill_s: float) -> None:
+        """A draft session opened: the draft's prefill took `prefill_s`."""
+        with self._lock:
+            self._draft_prefill.add(prefill_s)
+
+    def observe_first_round(self, k: int, draft_wait_s: float, greedy: bool) -> None:
+        """A session's first speculative round waited `draft_wait_s` for its k tokens."""
+        lone = self.lone(greedy)
+        if lone is not None:
+            c, _, token_s = lone
+            with self._lock:
+                self._first_wait.add(max(0.0, draft_wait_s - k * c * token_s))
+
+    def opening(self, max_new_tokens: int, greedy: bool) -> Opening:
+        """Whether a request of max_new_tokens opens a draft session: the saving expected
+        over its output at the service's α̂ against the opening's measured cost. Until both
+        are measured, and while no k is expected to gain (only sessions that speculate tell
+        the service's α̂ that the draft recovered; their own pause bounds the loss), it opens."""
+        if max_new_tokens <= 1:
+            return Opening(False, "one token is one target-only round: there is nothing to propose")
+        lone = self.lone(greedy)
+        with self._lock:
+            measured = len(self._draft_prefill) >= MIN_OPEN_SAMPLES
+            cost = self._draft_prefill.median(0.0) + self._first_wait.median(0.0)
+        if lone is None or not measured:
+            return Opening(True, "the opening's cost is not measured yet")
+        c, v, token_s = lone
+        alpha = self.prior_alpha()
+        _, gain = best_k(alpha, c, v, self.policy.k_max)
+        if gain <= 1.0:
+            return Opening(True, f"no k gains at the service's α̂ {alpha:.2f}: the session's own rounds judge it")
+        saving = (max_new_tokens - 1) * token_s * (1.0 - 1.0 / gain)
+        sentence = (
+            f"{max_new_tokens} tokens at {gain:.2f}x (α̂ {alpha:.2f}) would save {saving * 1e3:.1f} ms against "
+            f"{cost * 1e3:.1f} ms to open the draft (its prefill and first round)"
+        )
+        return Opening(saving > cost, sentence)
 
     def session(self, greedy: bool) -> AutoSession:
         return AutoSession(self.policy, lambda: self.ratios(greedy), self.prior_alpha)

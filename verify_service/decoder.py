@@ -36,6 +36,8 @@ from verify_service.rounds import RoundLoop, Totals
 from verify_service.verifier import Verifier
 
 DEFAULT_RECENT = 100
+# Reasons a request never asked for its draft (the others tried: the pairing shows why it failed).
+NO_DRAFT_WANTED = (common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class Decoder:
             sid = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
             draft, speculation = self._open_draft(sid, plan, ctx)
             span.set_attributes(attrs.speculation(speculation))
-            if self._draft is not None and self._wants_draft(plan):
+            if self._draft is not None and speculation.reason not in NO_DRAFT_WANTED:
                 span.set_attributes(attrs.pairing(self._draft.pairing))
             state = Request(sid, plan, context, ctx, cache, speculation, draft)
             if plan.mode == AUTO and draft is not None:
@@ -281,13 +283,6 @@ class Decoder:
             self._requests.pop(state.sid, None)
         self.admission.release()
 
-    def _short(self, plan: Plan) -> bool:
-        """An AUTO request too short for speculation to pay: it never contacts the draft."""
-        return plan.mode == AUTO and plan.max_new_tokens <= self._auto.policy.min_new_tokens
-
-    def _wants_draft(self, plan: Plan) -> bool:
-        return plan.mode == common_pb2.SPECULATION_MODE_ON or (plan.mode == AUTO and not self._short(plan))
-
     def _check_kv_budget(self, plan: Plan) -> None:
         need = plan.capacity * self._model.kv_bytes_per_token
         budget = self.session_kv_budget_bytes
@@ -304,12 +299,11 @@ class Decoder:
             return None, target_only(
                 common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request"
             )
-        if self._short(plan):
-            detail = (
-                f"AUTO: max_new_tokens {plan.max_new_tokens} is at most {self._auto.policy.min_new_tokens} "
-                "(--auto-min-new-tokens), too short for speculation to pay"
-            )
-            return None, target_only(common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT, detail)
+        if plan.mode == AUTO:
+            opening = self._auto.opening(plan.max_new_tokens, plan.params.greedy)
+            if not opening.pays:
+                detail = f"AUTO: too short for speculation to pay: {opening.detail}"
+                return None, target_only(common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT, detail)
         if self._draft is None:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "no draft service is configured")
         try:

@@ -422,12 +422,13 @@ class DraftSession:
         """The draft's prefill is done (or failed: `check_open` says)."""
         return self.opening is None or self.opening.done()
 
-    def check_open(self) -> None:
-        """Raises DraftLost when the session's OpenSession failed; call once `opened`."""
+    def check_open(self) -> float | None:
+        """Raises DraftLost when the session's OpenSession failed; call once `opened`. The
+        draft's prefill seconds the first time it is seen done, else None."""
         if self.opening is None:
-            return
+            return None
         try:
-            self.opening.result()
+            return self.opening.result().prefill_time_us / 1e6
         except grpc.FutureCancelledError:
             raise DraftLost.cancelled("prefill") from None
         except grpc.RpcError as error:

@@ -112,7 +112,7 @@ class RoundTelemetry:
             return ""
         policy = self._auto.policy
         if turn.how == common_pb2.AUTO_CHOICE_SHORT_OUTPUT:
-            return f"max_new_tokens is at most {policy.min_new_tokens}: target-only, no draft"
+            return "too short for speculation to pay its draft's opening: target-only, no draft"
         if turn.how == common_pb2.AUTO_CHOICE_BEST_K:
             return f"speculating: k={turn.k} has the best expected gain, {turn.gain:.2f}x at α̂ {turn.alpha:.2f}"
         if turn.how == common_pb2.AUTO_CHOICE_LOW_GAIN:

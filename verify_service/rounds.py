@@ -251,9 +251,9 @@ class RoundLoop:
         if ks and max(ks):
             costs.observe_draft(max(ks), sum(ks), proposed.wait_s)
         if previous is not None:
-            start, busy = previous
-            costs.observe_rest(step_start - start - busy)
-        self._previous_step = (step_start, forwarded.seconds + proposed.wait_s)
+            start, busy, sessions = previous
+            costs.observe_rest(sessions, step_start - start - busy)
+        self._previous_step = (step_start, forwarded.seconds + proposed.wait_s, forwarded.sessions)
 
     def _await_send(self, request: Request) -> None:
         """A lone request's forward waits until its last chunk has left: with nothing else
@@ -298,9 +298,12 @@ class RoundLoop:
         """A draft session whose opening failed sends its request target-only."""
         if request.draft is not None and request.draft.opening is not None:
             try:
-                request.draft.check_open()
+                prefill_s = request.draft.check_open()
             except DraftLost as lost:
                 self._lose_draft(request, lost)
+                return
+            if prefill_s is not None and request.auto is not None:
+                self._auto.observe_opening(prefill_s)
 
     def _choose_step(self, planned: list[Request]) -> list[Choice]:
         """Every planned round's k: each request's own choice, then, for the AUTO sessions
@@ -333,7 +336,7 @@ class RoundLoop:
         may emit (so the last round is target-only)."""
         plan = request.plan
         if request.draft is None:
-            short = plan.mode == AUTO and plan.max_new_tokens <= self._auto.policy.min_new_tokens
+            short = request.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
             how = common_pb2.AUTO_CHOICE_SHORT_OUTPUT if short else common_pb2.AUTO_CHOICE_UNSPECIFIED
             return Choice(0, how, 0.0, 0.0)
         if request.auto is not None:
@@ -444,10 +447,15 @@ class RoundLoop:
             request.auto.observe(stats.draft_tokens, stats.accepted_tokens, emitted)
         if stats.draft_tokens:
             self._auto.observe_alpha(stats.accepted_tokens, stats.accepted_tokens < stats.draft_tokens)
+        if request.auto is not None and stats.draft_tokens and request.usage.proposed == stats.draft_tokens:
+            # the session's first speculative round: what it waited beyond a steady one is the opening's
+            self._auto.observe_first_round(stats.draft_tokens, stats.draft_time_us / 1e6, request.plan.params.greedy)
         if self._steady(request):
             period = time.perf_counter() - request.round_start
-            costs = self._auto.costs(request.plan.params.greedy)
-            costs.observe(stats.draft_tokens, stats.draft_time_us / 1e6, stats.verify_time_us / 1e6, period)
+            self._auto.observe(
+                request.plan.params.greedy, stats.batch_sessions == 1, stats.draft_tokens,
+                stats.draft_time_us / 1e6, stats.verify_time_us / 1e6, period,
+            )  # fmt: skip
 
     @staticmethod
     def _steady(request: Request) -> bool:

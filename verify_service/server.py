@@ -50,7 +50,6 @@ class VerifyConfig:
     )
     max_new_tokens_limit: int = option(2048, "largest max_new_tokens a request may ask for")
     speculation: str = option("auto", "speculation mode of a request that names none: auto, on or off")
-    auto_min_new_tokens: int = option(32, "AUTO mode: requests with max_new_tokens at most this run target-only")
     speculation_policy: str = option(
         "goodput",
         "how AUTO mode chooses k: goodput (each step, from the batch's measured costs and each request's "
@@ -152,7 +151,6 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
         raise SystemExit(f"--speculation: must be one of {', '.join(SPECULATION_MODES)}, not {config.speculation!r}")
     try:
         policy = AutoPolicy(
-            min_new_tokens=config.auto_min_new_tokens,
             schedule=config.speculation_policy,
             table=parse_table(config.speculation_table),
         )

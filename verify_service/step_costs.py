@@ -44,7 +44,7 @@ class ServedStepCosts:
         self._curves = {s: lower_hull(sorted(points)) for s, points in sorted(curves.items())}
         self._scale: deque[float] = deque(maxlen=WINDOW)  # served forward / predicted
         self._draft: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (K, Σk, seconds)
-        self._rest: deque[float] = deque(maxlen=WINDOW)
+        self._rest: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (sessions, seconds)
 
     def forward(self, sessions: int, rows: int) -> float:
         """Predicted seconds of a served forward over `rows` rows of `sessions` sessions:
@@ -75,9 +75,23 @@ class ServedStepCosts:
         if steps > 0:
             self._draft.append((steps, proposed, seconds))
 
-    def observe_rest(self, seconds: float) -> None:
-        """A step's time beyond its forward and its wait for proposals."""
-        self._rest.append(max(0.0, seconds))
+    def observe_rest(self, sessions: int, seconds: float) -> None:
+        """A step of `sessions` rounds: its time beyond its forward and its wait for proposals."""
+        self._rest.append((sessions, max(0.0, seconds)))
+
+    def rest(self, sessions: int) -> float:
+        """A step's rest at `sessions` rounds: a fixed part plus one per round (committing,
+        the spans, the hand-over), by least squares where recent steps had different counts
+        and neither part fits negative; else their median."""
+        if not self._rest:
+            return 0.0
+        x = np.array([(1.0, n) for n, _ in self._rest])
+        y = np.array([seconds for _, seconds in self._rest])
+        if np.linalg.matrix_rank(x) == 2:
+            (fixed, per), *_ = np.linalg.lstsq(x, y, rcond=None)
+            if fixed >= 0 and per >= 0:
+                return float(fixed + per * sessions)
+        return float(np.median(y))
 
     def draft_line(self) -> tuple[float, float, float] | None:
         """(seconds per call, per batched draft step, per session in a step) by least
@@ -108,6 +122,5 @@ class ServedStepCosts:
         rows = np.arange(sessions, sessions * (k_max + 1) + 1)
         seconds = self._forwards(sessions, (rows + other_rows).astype(float)) * self._served_scale()
         points = tuple(zip(rows.tolist(), seconds.tolist()))
-        rest = statistics.median(self._rest) if self._rest else 0.0
         call, fixed, per = line
-        return StepCosts(points, draft_call=call, draft_fixed=fixed, draft_per_session=per, rest=rest)
+        return StepCosts(points, draft_call=call, draft_fixed=fixed, draft_per_session=per, rest=self.rest(sessions))
