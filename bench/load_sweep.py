@@ -19,6 +19,9 @@ with the order reversed every other repeat (paired, interleaved: this host's spe
 For every point: aggregate tokens/s, requests/s, TTFT and inter-token latency p50/p99 and,
 for every completed request, whether its tokens equal target-only's for the same prompt
 (greedy) or the same prompt and seed (sampled: the shared-noise coupling keeps them equal).
+A third stack pairs the target with a mismatched draft (the draft's architecture with
+untrained weights) for AUTO against target-only at `mismatched_streams` streams.
+
 Written: load.json, load.md (tables, AUTO over the best fixed schedule) and load.png
 (tokens/s against streams in flight, one curve per policy).
 """
@@ -34,12 +37,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from bench.benchmark import mismatched_draft
 from bench.flags import config_from_args
 from specdec import defaults
 from specdec.client import connect
@@ -73,10 +77,16 @@ class SweepConfig:
     slo_ttft_ms: float = 1000.0
     slo_itl_ms: float = 100.0
     seed: int = 0
+    # Closed-loop points of a stack whose draft is mismatched (the draft's architecture with
+    # untrained weights): AUTO against target-only; () for none.
+    mismatched_streams: tuple[int, ...] = (1, 16)
     out: Path = Path("bench/results/cpu")
 
 
-QUICK = {"streams": (1, 4), "rates": (1.0,), "temperatures": (0.0,), "seconds": 2.0, "repeats": 1, "prompts": 4}
+QUICK = {
+    "streams": (1, 4), "rates": (1.0,), "temperatures": (0.0,), "seconds": 2.0, "repeats": 1, "prompts": 4,
+    "mismatched_streams": (1,),
+}  # fmt: skip
 
 
 @dataclass
@@ -224,10 +234,25 @@ def start_stacks(config: SweepConfig, workdir: Path) -> dict[str, Stack]:
 def run_sweep(
     config: SweepConfig, progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 ) -> dict:
-    prompts = defaults.heldout_prompts()[: config.prompts]
     workdir = Path(tempfile.mkdtemp(prefix="specdec-load-"))
     progress(f"starting the services (logs in {workdir}) ...")
-    stacks = start_stacks(config, workdir)
+    runs = _sweep(config, start_stacks(config, workdir), progress)
+    result = {"config": {k: v for k, v in asdict(config).items() if k != "out"}, "runs": runs}
+    result["points"] = points(runs)
+    if config.mismatched_streams:
+        draft = mismatched_draft(config.draft, workdir / "mismatched-draft")
+        mismatched = replace(
+            config, draft=str(draft), policies=("auto", "target-only"), streams=config.mismatched_streams, rates=()
+        )
+        progress(f"a stack with a mismatched draft ({draft}): auto against target-only ...")
+        runs = _sweep(mismatched, start_stacks(mismatched, workdir / "mismatched"), progress)
+        result["mismatched_draft"] = {"runs": runs, "points": points(runs)}
+    return result
+
+
+def _sweep(config: SweepConfig, stacks: dict[str, Stack], progress: Callable[[str], None]) -> list[dict]:
+    """Every point of `config` on `stacks` (stopped at the end): one row per policy and repeat."""
+    prompts = defaults.heldout_prompts()[: config.prompts]
     runs: list[dict] = []
     try:
         for temperature in config.temperatures:
@@ -268,9 +293,7 @@ def run_sweep(
     finally:
         for stack in stacks.values():
             stack.stop()
-    result = {"config": {k: v for k, v in asdict(config).items() if k != "out"}, "runs": runs}
-    result["points"] = points(runs)
-    return result
+    return runs
 
 
 def _references(stack: Stack, prompts: list[str], temperature: float, max_new_tokens: int) -> dict[int, list[int]]:
@@ -309,6 +332,10 @@ def points(runs: list[dict]) -> list[dict]:
                 row["auto_over_best_fixed"] = round(statistics.median(
                     a["tokens_per_s"] / max(by_policy[p][i]["tokens_per_s"] for p in fixed) for i, a in enumerate(auto)
                 ), 3)  # fmt: skip
+            if "target-only" in by_policy:
+                row["auto_over_target_only"] = round(statistics.median(
+                    a["tokens_per_s"] / by_policy["target-only"][i]["tokens_per_s"] for i, a in enumerate(auto)
+                ), 3)  # fmt: skip
             if "table" in by_policy:
                 row["auto_over_table"] = round(statistics.median(
                     a["tokens_per_s"] / by_policy["table"][i]["tokens_per_s"] for i, a in enumerate(auto)
@@ -344,11 +371,29 @@ def markdown(result: dict) -> str:
             tail = f" | {p.get('auto_over_best_fixed', '')} | {p.get('auto_over_table', '')} |" if ratios else " |"
             lines.append(f"| {p['temperature']:g} | {p['level']:g} | " + " | ".join(cells) + tail)
         lines.append("")
-    differ = sum(q["differ_from_target_only"] for p in result["points"] for q in p["policies"].values())
+    mismatched = result.get("mismatched_draft", {}).get("points", [])
+    if mismatched:
+        lines += [
+            "## Mismatched draft (the draft's architecture, untrained weights): closed loop, tokens/s", "",
+            "| T | streams | auto | target-only | auto / target-only |", "|---|---|---|---|---|",
+        ]  # fmt: skip
+        for p in mismatched:
+            auto, alone = (p["policies"][q]["tokens_per_s"] for q in ("auto", "target-only"))
+            lines.append(
+                f"| {p['temperature']:g} | {p['level']:g} | {auto:.0f} | {alone:.0f} | {p['auto_over_target_only']} |"
+            )
+        lines.append("")
+    differ = differing(result)
     lines.append(
         "All completions equal target-only's." if not differ else f"**{differ} completions differ from target-only's.**"
     )
     return "\n".join(lines) + "\n"
+
+
+def differing(result: dict) -> int:
+    """Completions, over every point of both drafts, whose tokens differ from target-only's."""
+    rows = result["points"] + result.get("mismatched_draft", {}).get("points", [])
+    return sum(q["differ_from_target_only"] for p in rows for q in p["policies"].values())
 
 
 def plot(result: dict, path: Path) -> None:
@@ -389,14 +434,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="+")
     parser.add_argument("--seconds", type=float, help="how long each point starts requests")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument(
+        "--mismatched-streams", type=int, nargs="*", help="closed-loop points with a mismatched draft (none: skip it)"
+    )
     parser.add_argument("--out", help="folder for load.json, load.md and load.png")
     args = parser.parse_args(argv)
-    config = config_from_args(SweepConfig, args, QUICK, ("streams", "rates", "temperatures"))
+    config = config_from_args(SweepConfig, args, QUICK, ("streams", "rates", "temperatures", "mismatched_streams"))
     result = run_sweep(config)
     write(result, config.out)
     print(markdown(result))
-    differ = sum(q["differ_from_target_only"] for p in result["points"] for q in p["policies"].values())
-    return 1 if differ else 0
+    return 1 if differing(result) else 0
 
 
 def write(result: dict, out: Path) -> None:

@@ -106,7 +106,7 @@ def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path, monkeypa
 def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_output(toy, tmp_path):
     config = SweepConfig(
         target=str(toy.target), draft=str(toy.close), streams=(1, 3), rates=(1.0,), temperatures=(0.0, 0.8),
-        seconds=0.5, repeats=1, prompts=3, max_new_tokens=24, out=tmp_path,
+        seconds=0.5, repeats=1, prompts=3, max_new_tokens=24, mismatched_streams=(1,), out=tmp_path,
     )  # fmt: skip
     result = run_sweep(config, progress=lambda line: None)
     write(result, tmp_path)
@@ -124,6 +124,13 @@ def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_o
         assert point["auto_over_best_fixed"] > 0 and point["auto_over_table"] > 0
     # Every completed request was checked against its prompt's target-only output.
     assert sum(r["requests"] for r in result["runs"]) > len(result["runs"])
+    # The mismatched draft: AUTO against target-only, every output checked too.
+    mismatched = {(p["loop"], p["level"], p["temperature"]): p for p in result["mismatched_draft"]["points"]}
+    assert set(mismatched) == {("closed", 1, t) for t in (0.0, 0.8)}
+    for point in mismatched.values():
+        assert set(point["policies"]) == {"auto", "target-only"} and point["auto_over_target_only"] > 0
+        assert all(m["differ_from_target_only"] == 0 for m in point["policies"].values())
     table = (tmp_path / "load.md").read_text()
     assert "| T | streams | auto | table | k=2 | k=4 | k=8 | target-only | auto / best fixed | auto / table |" in table
+    assert "| T | streams | auto | target-only | auto / target-only |" in table
     assert "All completions equal target-only's." in table
