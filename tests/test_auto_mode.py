@@ -107,6 +107,25 @@ def test_costs_as_served_give_c_and_v_in_target_only_tokens():
     assert v[4] == pytest.approx((0.007 * 1.16 * 1.5 + 0.003) / token)
 
 
+def test_the_drafts_wait_is_a_call_plus_a_cost_per_token():
+    """A proposal's wait is mostly its call: priced per token, a large k would look dear
+    and AUTO would keep choosing the small k it measured at."""
+    costs = ServedCosts(calibration())
+    forward = calibration()
+    for _ in range(3):
+        for k in (2, 4):  # each round 3 ms beyond its wait and its forward
+            wait = 0.0030 + k * 0.0005
+            costs.observe(k, wait, forward[k + 1], wait + forward[k + 1] + 0.003)
+        costs.observe(0, 0.0, forward[1], forward[1] + 0.002)
+    costs.observe(4, 0.050, forward[5], 0.050 + forward[5] + 0.003)  # one stalled proposal moves nothing
+    token = forward[1] + 0.002
+    c, v = costs.ratios()
+    assert c == pytest.approx(0.0005 / token)
+    assert costs.proposal_seconds(8) == pytest.approx(0.0030 + 8 * 0.0005)
+    assert v[8] == pytest.approx((forward[9] + 0.003 + 0.0030) / token)
+    assert best_k(0.9, c, v)[0] >= 8  # wait / k at k = 2 (2 ms a token) would choose far fewer
+
+
 def test_the_drafts_cost_is_trusted_after_three_rounds():
     costs = ServedCosts({n: 0.01 for n in range(1, 18)})
     for _ in range(2):

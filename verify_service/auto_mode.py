@@ -4,9 +4,9 @@ The gain of k draft tokens is docs/design.md's E(k) / (k·c + v(k)) (specdec.spe
 with every cost measured as this service serves it, in units of one target-only token:
   T0    = a target-only round: the target's forward and acceptance over 1 position plus
           the rest of that round (RPC, Python, sending the token)
-  c     = the draft's wait per proposed token / T0
+  c     = what each proposed token adds to the draft's wait / T0
   v(k)  = (the target's forward and acceptance over k+1 positions + the rest of a
-          speculative round) / T0
+          speculative round + the draft's wait for a proposal of any k) / T0
 so a gain above 1 is an expected speedup over this service's own target-only rounds.
 These are a session's costs alone, from rounds that ran alone: a round served in a batch
 carries the batch's forward and proposals, so a draft that pays would look like a loss
@@ -41,6 +41,8 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.speculation_gain import best_k
@@ -154,7 +156,7 @@ class ServedCosts:
         self._forward = dict(forward_s)  # positions -> calibrated seconds of a forward
         self._spec_scale = _Window()  # a speculative round's forward and acceptance / its calibration
         self._solo_scale = _Window()  # the same for a target-only round
-        self._draft_per_token = _Window()  # a round's wait for its proposal / k
+        self._draft: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (k, a round's wait for its proposal)
         self._spec_rest = _Window()  # a speculative round's time beyond the wait, forward and acceptance
         self._solo_rest = _Window()  # the same for a target-only round
 
@@ -169,22 +171,50 @@ class ServedCosts:
                 return
             if k:
                 self._spec_scale.add(verify_s / self._forward[k + 1])
-                self._draft_per_token.add(draft_wait_s / k)
+                self._draft.append((k, draft_wait_s))
                 self._spec_rest.add(rest)
             else:
                 self._solo_scale.add(verify_s / self._forward[1])
                 self._solo_rest.add(rest)
 
     def ratios(self) -> tuple[float, dict[int, float]] | None:
-        """(c, {k: v(k)}) in target-only tokens, or None while the draft's cost is unknown."""
+        """(c, {k: v(k)}) in target-only tokens, or None while the draft's cost is unknown.
+        The proposal's fixed part (the call) is paid once a round whatever its k: it goes
+        into v(k), and c is what each further draft token adds."""
         with self._lock:
-            if len(self._draft_per_token) < MIN_DRAFT_SAMPLES:
+            line = self._draft_line()
+            if line is None:
                 return None
+            call, per_token = line
             spec_scale, spec_rest = self._spec_scale.median(1.0), self._spec_rest.median(0.0)
             token = self._token_seconds()
-            c = self._draft_per_token.median(0.0) / token
-            v = {n - 1: (seconds * spec_scale + spec_rest) / token for n, seconds in self._forward.items() if n > 1}
-        return c, v
+            fixed = spec_rest + call
+            v = {n - 1: (seconds * spec_scale + fixed) / token for n, seconds in self._forward.items() if n > 1}
+        return per_token / token, v
+
+    def proposal_seconds(self, k: int) -> float | None:
+        """A steady round's expected wait for k draft tokens, once measured."""
+        with self._lock:
+            line = self._draft_line()
+        return None if line is None else line[0] + line[1] * k
+
+    def _draft_line(self) -> tuple[float, float] | None:
+        """(seconds per proposal, per draft token): a line through each k's median wait,
+        by least squares where rounds ran at two k or more and neither part fits negative;
+        else all per token, the median of wait / k. A wait is mostly the call (RPC, the
+        draft's Python), not its forwards: priced per token, a large k would look dear."""
+        if len(self._draft) < MIN_DRAFT_SAMPLES:
+            return None
+        by_k: dict[int, list[float]] = {}
+        for k, wait in self._draft:
+            by_k.setdefault(k, []).append(wait)
+        if len(by_k) >= 2:
+            ks = np.array(sorted(by_k), dtype=float)
+            waits = np.array([statistics.median(by_k[k]) for k in sorted(by_k)])
+            (call, per_token), *_ = np.linalg.lstsq(np.stack([np.ones_like(ks), ks], axis=1), waits, rcond=None)
+            if call >= 0 and per_token >= 0:
+                return float(call), float(per_token)
+        return 0.0, statistics.median(wait / k for k, wait in self._draft)
 
     def token_seconds(self) -> float:
         """T0: the seconds of a target-only round as served."""
@@ -195,6 +225,7 @@ class ServedCosts:
         # Until a target-only round is measured, assume it runs like a speculative one.
         spec_scale, spec_rest = self._spec_scale.median(1.0), self._spec_rest.median(0.0)
         return self._forward.get(1, 0.0) * self._solo_scale.median(spec_scale) + self._solo_rest.median(spec_rest)
+
 
 class ServiceAuto:
     """The service's side of AUTO: the policy, the running costs and the α̂ prior."""
@@ -250,14 +281,17 @@ class ServiceAuto:
             self.costs(greedy).observe(k, draft_wait_s, verify_s, period_s)
 
     def lone(self, greedy: bool) -> tuple[float, dict[int, float], float] | None:
-        """(c, v(k), T0 in seconds) of a greedy or sampled session alone: from its kind's
-        rounds that ran alone, else the other kind's (a better first guess than none), else,
-        until some session ran alone, from every round."""
+        """(c, v(k), T0 in seconds) of a greedy or sampled session alone."""
+        costs = self._lone_costs(greedy)
+        return None if costs is None else (*costs.ratios(), costs.token_seconds())
+
+    def _lone_costs(self, greedy: bool) -> ServedCosts | None:
+        """A session's costs alone: its kind's rounds that ran alone, else the other kind's
+        (a better first guess than none), else, until some session ran alone, every round's."""
         kinds = (greedy, not greedy)
         for costs in [self.costs(kind) for kind in kinds] + [self._every_round[kind] for kind in kinds]:
-            ratios = costs.ratios()
-            if ratios is not None:
-                return (*ratios, costs.token_seconds())
+            if costs.ratios() is not None:
+                return costs
         return None
 
     def observe_opening(self, prefill_s: float) -> None:
@@ -267,11 +301,11 @@ class ServiceAuto:
 
     def observe_first_round(self, k: int, draft_wait_s: float, greedy: bool) -> None:
         """A session's first speculative round waited `draft_wait_s` for its k tokens."""
-        lone = self.lone(greedy)
-        if lone is not None:
-            c, _, token_s = lone
+        costs = self._lone_costs(greedy)
+        steady = None if costs is None else costs.proposal_seconds(k)
+        if steady is not None:
             with self._lock:
-                self._first_wait.add(max(0.0, draft_wait_s - k * c * token_s))
+                self._first_wait.add(max(0.0, draft_wait_s - steady))
 
     def opening(self, max_new_tokens: int, greedy: bool) -> Opening:
         """Whether a request of max_new_tokens opens a draft session: the saving expected
