@@ -1,6 +1,6 @@
 """Runs the draft service as a draft that is cheap alone and dear in company: every batched
-forward of n sessions waits CROWDING_S for each session past the first, as a draft whose
-device is saturated by its batch would. The batch chooser should then hold sessions at
+forward of n > 1 sessions waits CROWDING_S for each of them, as a draft whose device one
+session leaves idle and two saturate would. The batch chooser should then hold sessions at
 k = 0 while several are in flight, and a session left alone should speculate at once.
 
     python tests/crowded_draft.py <the draft service's own flags>
@@ -21,7 +21,7 @@ _propose_batch = Drafter.propose_batch
 
 def crowded_propose_batch(self: Drafter, step: ProposeBatch) -> Proposals:
     proposals = _propose_batch(self, step)
-    time.sleep(CROWDING_S * sum(sessions - 1 for sessions, _ in proposals.shapes))
+    time.sleep(CROWDING_S * sum(sessions for sessions, _ in proposals.shapes if sessions > 1))
     return proposals
 
 

@@ -126,6 +126,25 @@ def test_the_drafts_wait_is_a_call_plus_a_cost_per_token():
     assert best_k(0.9, c, v)[0] >= 8  # wait / k at k = 2 (2 ms a token) would choose far fewer
 
 
+def test_sessions_that_ran_at_one_k_take_the_drafts_call_from_another_line():
+    """Sampled sessions that only probe (k = 2) cannot tell the call from the tokens; the
+    greedy ones' line, over two k, can: the call is the draft's, whatever the request."""
+    service, forward = ServiceAuto(AutoPolicy(), calibration()), calibration()
+
+    def alone(greedy: bool, k: int) -> None:
+        wait = 0.0030 + k * 0.0005
+        service.observe(greedy, True, k, wait, forward[k + 1], wait + forward[k + 1] + 0.003)
+
+    for _ in range(3):
+        alone(False, 2)
+    c, _, token = service.lone(greedy=False)
+    assert c * token == pytest.approx(0.002)  # no line yet: all of the 4 ms wait is per token
+    for _ in range(3):
+        alone(True, 2), alone(True, 4)
+    c, _, token = service.lone(greedy=False)
+    assert c * token == pytest.approx(0.0005)
+
+
 def test_the_drafts_cost_is_trusted_after_three_rounds():
     costs = ServedCosts({n: 0.01 for n in range(1, 18)})
     for _ in range(2):
@@ -417,7 +436,7 @@ def test_a_session_held_at_k_0_by_load_resumes_speculating_without_a_probe_when_
     finish speculates again at once, with no probe, and its output stays exact."""
     pair = Path(defaults.DEFAULT_TARGET), Path(defaults.DEFAULT_DRAFT)
     crowded = {"draft": [sys.executable, "tests/crowded_draft.py"]}
-    patient = {"verify": ["--threads", "2", "--draft-deadline-min-ms", "10000"]}
+    patient = {"verify": ["--threads", "2", "--draft-deadline-min-ms", "10000", "--max-sessions", "8"]}
     stack = stack_factory(*pair, args=patient, programs=crowded)
     prompt = defaults.heldout_prompts_by_file()["py_compile.py"]
     for _ in range(3):  # alone: the session's own costs and the draft's line are measured
@@ -472,16 +491,21 @@ def test_the_default_mode_is_auto_and_a_fixed_k_means_on(far_stack):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_draft_tokens" in err.details()
 
 
-def test_the_servers_default_mode_is_a_flag(stack_factory, toy):
-    stack = stack_factory(toy.target, toy.same, args={"verify": ["--speculation", "on"]})
+@pytest.fixture(scope="module")
+def flagged_stack(stack_factory, toy):
+    """ON by default, and AUTO by a table: alone k = 3, else target-only."""
+    flags = ["--speculation", "on", "--speculation-policy", "table", "--speculation-table", "2:3"]
+    return stack_factory(toy.target, toy.same, args={"verify": flags})
+
+
+def test_the_servers_default_mode_is_a_flag(flagged_stack):
     unset = request(PROMPT, max_new_tokens=20)
     unset.ClearField("speculation")
-    assert all(m.round.mode == common_pb2.SPECULATION_MODE_ON for m in run(stack, unset).messages)
+    assert all(m.round.mode == common_pb2.SPECULATION_MODE_ON for m in run(flagged_stack, unset).messages)
 
 
-def test_the_table_policy_sets_k_by_requests_in_flight_and_an_explicit_k_still_wins(stack_factory, toy):
-    policy = ["--speculation-policy", "table", "--speculation-table", "2:3"]  # alone k = 3, else target-only
-    stack = stack_factory(toy.target, toy.same, args={"verify": policy})
+def test_the_table_policy_sets_k_by_requests_in_flight_and_an_explicit_k_still_wins(flagged_stack):
+    stack = flagged_stack
     reference = run(stack, request(PROMPT, max_new_tokens=40, speculation=False))
     alone = run(stack, auto_request(40))
     assert alone.token_ids == reference.token_ids

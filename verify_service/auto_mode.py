@@ -177,12 +177,13 @@ class ServedCosts:
                 self._solo_scale.add(verify_s / self._forward[1])
                 self._solo_rest.add(rest)
 
-    def ratios(self) -> tuple[float, dict[int, float]] | None:
+    def ratios(self, call_hint: float | None = None) -> tuple[float, dict[int, float]] | None:
         """(c, {k: v(k)}) in target-only tokens, or None while the draft's cost is unknown.
         The proposal's fixed part (the call) is paid once a round whatever its k: it goes
-        into v(k), and c is what each further draft token adds."""
+        into v(k), and c is what each further draft token adds. call_hint: the call as
+        another line measured it, for when these rounds ran at one k only."""
         with self._lock:
-            line = self._draft_line()
+            line = self._draft_line(call_hint)
             if line is None:
                 return None
             call, per_token = line
@@ -192,29 +193,43 @@ class ServedCosts:
             v = {n - 1: (seconds * spec_scale + fixed) / token for n, seconds in self._forward.items() if n > 1}
         return per_token / token, v
 
-    def proposal_seconds(self, k: int) -> float | None:
+    def proposal_seconds(self, k: int, call_hint: float | None = None) -> float | None:
         """A steady round's expected wait for k draft tokens, once measured."""
         with self._lock:
-            line = self._draft_line()
+            line = self._draft_line(call_hint)
         return None if line is None else line[0] + line[1] * k
 
-    def _draft_line(self) -> tuple[float, float] | None:
-        """(seconds per proposal, per draft token): a line through each k's median wait,
-        by least squares where rounds ran at two k or more and neither part fits negative;
-        else all per token, the median of wait / k. A wait is mostly the call (RPC, the
-        draft's Python), not its forwards: priced per token, a large k would look dear."""
+    def draft_call(self) -> float | None:
+        """The proposal's call in seconds, where these rounds tell it apart (two k or more)."""
+        with self._lock:
+            fitted = self._fitted_line()
+        return None if fitted is None else fitted[0]
+
+    def _draft_line(self, call_hint: float | None) -> tuple[float, float] | None:
+        """(seconds per proposal, per draft token): the fitted line; else, with rounds at
+        one k only, the hinted call and the median of what each wait adds to it per token
+        (all per token without a hint). A wait is mostly the call (RPC, the draft's
+        Python), not its forwards: priced per token, a large k would look dear."""
         if len(self._draft) < MIN_DRAFT_SAMPLES:
             return None
+        fitted = self._fitted_line()
+        if fitted is not None:
+            return fitted
+        call = call_hint or 0.0
+        return call, statistics.median(max(0.0, wait - call) / k for k, wait in self._draft)
+
+    def _fitted_line(self) -> tuple[float, float] | None:
+        """A line through each k's median wait, by least squares, where rounds ran at two
+        k or more and neither part fits negative."""
         by_k: dict[int, list[float]] = {}
         for k, wait in self._draft:
             by_k.setdefault(k, []).append(wait)
-        if len(by_k) >= 2:
-            ks = np.array(sorted(by_k), dtype=float)
-            waits = np.array([statistics.median(by_k[k]) for k in sorted(by_k)])
-            (call, per_token), *_ = np.linalg.lstsq(np.stack([np.ones_like(ks), ks], axis=1), waits, rcond=None)
-            if call >= 0 and per_token >= 0:
-                return float(call), float(per_token)
-        return 0.0, statistics.median(wait / k for k, wait in self._draft)
+        if len(by_k) < 2:
+            return None
+        ks = np.array(sorted(by_k), dtype=float)
+        waits = np.array([statistics.median(by_k[k]) for k in sorted(by_k)])
+        (call, per_token), *_ = np.linalg.lstsq(np.stack([np.ones_like(ks), ks], axis=1), waits, rcond=None)
+        return (float(call), float(per_token)) if call >= 0 and per_token >= 0 else None
 
     def token_seconds(self) -> float:
         """T0: the seconds of a target-only round as served."""
@@ -283,7 +298,18 @@ class ServiceAuto:
     def lone(self, greedy: bool) -> tuple[float, dict[int, float], float] | None:
         """(c, v(k), T0 in seconds) of a greedy or sampled session alone."""
         costs = self._lone_costs(greedy)
-        return None if costs is None else (*costs.ratios(), costs.token_seconds())
+        return None if costs is None else (*costs.ratios(self._draft_call()), costs.token_seconds())
+
+    def _draft_call(self) -> float | None:
+        """The draft's call as the first line that tells it measured it: rounds alone, then
+        every round, then the batched steps' fit. The call is the draft's, whatever the
+        request: sampled sessions that probe at one k learn it from greedy ones."""
+        for costs in (self.greedy, self.sampled, *self._every_round.values()):
+            call = costs.draft_call()
+            if call is not None:
+                return call
+        line = None if self.step_costs is None else self.step_costs.draft_line()
+        return line[0] if line is not None and line[0] > 0 else None
 
     def _lone_costs(self, greedy: bool) -> ServedCosts | None:
         """A session's costs alone: its kind's rounds that ran alone, else the other kind's
@@ -302,7 +328,7 @@ class ServiceAuto:
     def observe_first_round(self, k: int, draft_wait_s: float, greedy: bool) -> None:
         """A session's first speculative round waited `draft_wait_s` for its k tokens."""
         costs = self._lone_costs(greedy)
-        steady = None if costs is None else costs.proposal_seconds(k)
+        steady = None if costs is None else costs.proposal_seconds(k, self._draft_call())
         if steady is not None:
             with self._lock:
                 self._first_wait.add(max(0.0, draft_wait_s - steady))
