@@ -159,6 +159,8 @@ class ServedCosts:
         self._draft: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (k, a round's wait for its proposal)
         self._spec_rest = _Window()  # a speculative round's time beyond the wait, forward and acceptance
         self._solo_rest = _Window()  # the same for a target-only round
+        self._fitted: tuple[float, float] | None = None  # the fitted line, kept until the next round
+        self._fitted_stale = True
 
     def observe(self, k: int, draft_wait_s: float, verify_s: float, period_s: float) -> None:
         """One steady round (not a session's first, nor a probe after a target-only stretch,
@@ -172,6 +174,7 @@ class ServedCosts:
             if k:
                 self._spec_scale.add(verify_s / self._forward[k + 1])
                 self._draft.append((k, draft_wait_s))
+                self._fitted_stale = True
                 self._spec_rest.add(rest)
             else:
                 self._solo_scale.add(verify_s / self._forward[1])
@@ -192,6 +195,11 @@ class ServedCosts:
             fixed = spec_rest + call
             v = {n - 1: (seconds * spec_scale + fixed) / token for n, seconds in self._forward.items() if n > 1}
         return per_token / token, v
+
+    def measured(self) -> bool:
+        """Whether the draft's cost is measured (`ratios` then answers)."""
+        with self._lock:
+            return len(self._draft) >= MIN_DRAFT_SAMPLES
 
     def proposal_seconds(self, k: int, call_hint: float | None = None) -> float | None:
         """A steady round's expected wait for k draft tokens, once measured."""
@@ -220,7 +228,13 @@ class ServedCosts:
 
     def _fitted_line(self) -> tuple[float, float] | None:
         """A line through each k's median wait, by least squares, where rounds ran at two
-        k or more and neither part fits negative."""
+        k or more and neither part fits negative. Kept until the next round: every
+        session's every round asks for it."""
+        if self._fitted_stale:
+            self._fitted, self._fitted_stale = self._fit_line(), False
+        return self._fitted
+
+    def _fit_line(self) -> tuple[float, float] | None:
         by_k: dict[int, list[float]] = {}
         for k, wait in self._draft:
             by_k.setdefault(k, []).append(wait)
@@ -316,7 +330,7 @@ class ServiceAuto:
         (a better first guess than none), else, until some session ran alone, every round's."""
         kinds = (greedy, not greedy)
         for costs in [self.costs(kind) for kind in kinds] + [self._every_round[kind] for kind in kinds]:
-            if costs.ratios() is not None:
+            if costs.measured():
                 return costs
         return None
 
