@@ -120,6 +120,7 @@ def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_o
         assert set(point["policies"]) == set(POLICIES)
         for measured in point["policies"].values():
             assert measured["tokens_per_s"] > 0 and 0 <= measured["slo_met"] <= 1
+            assert measured["itl_p99_ms"] > 0 and measured["request_itl_p99_ms"] > 0
             assert measured["differ_from_target_only"] == 0
         assert point["auto_over_best_fixed"] > 0 and point["auto_over_table"] > 0
     # Every completed request was checked against its prompt's target-only output.
