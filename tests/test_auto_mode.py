@@ -194,7 +194,7 @@ def run_session(service: ServiceAuto, session: AutoSession, accept: Callable[[in
         accepted = accept(choice.k) if choice.k else 0
         session.observe(choice.k, accepted, accepted + 1)
         if choice.k:
-            service.observe_alpha(accepted, accepted < choice.k)
+            service.observe_alpha(True, accepted, accepted < choice.k)
     return choices
 
 
@@ -317,7 +317,7 @@ def test_whether_a_request_opens_its_draft_is_priced_from_what_opening_costs_as_
     assert not service.opening(1, greedy=True).pays  # one token: one target-only round, whatever the costs
     costs_measured(service.greedy)
     for _ in range(100):
-        service.observe_alpha(4, False)  # the draft hits: the service's α̂ is 1
+        service.observe_alpha(True, 4, False)  # the draft hits greedy: the service's greedy α̂ is 1
     for _ in range(3):
         service.observe_opening(0.040)
         service.observe_first_round(4, 4 * 0.001 + 0.010, greedy=True)  # 10 ms beyond a steady round's wait
@@ -334,8 +334,26 @@ def test_whether_a_request_opens_its_draft_is_priced_from_what_opening_costs_as_
     # Where no k gains at the service's α̂, opening is left to the session's own rounds
     # (a pause after a probe): declining here would keep the service's α̂ from ever recovering.
     for _ in range(2000):
-        service.observe_alpha(0, True)
+        service.observe_alpha(True, 0, True)
     assert service.opening(3, greedy=True).pays
+
+
+def test_the_services_prior_is_kept_apart_for_greedy_and_sampled_sessions():
+    """The same draft keeps far fewer tokens sampled than greedy: greedy rounds that hit must
+    not open a sampled request's draft or start its session from their α̂."""
+    service = ServiceAuto(AutoPolicy(), calibration())
+    costs_measured(service.greedy)
+    costs_measured(service.sampled)
+    for _ in range(3):
+        service.observe_opening(0.040)
+    for _ in range(200):
+        service.observe_alpha(True, 4, False)  # greedy: every proposal kept
+        service.observe_alpha(False, 0, True)  # sampled: none
+    assert service.prior_alpha(greedy=True) == pytest.approx(1.0)
+    assert service.prior_alpha(greedy=False) == pytest.approx(0.0)
+    assert service.session(greedy=True).alpha > 0.9 and service.session(greedy=False).alpha < 0.1
+    assert service.opening(64, greedy=True).pays and "α̂ 1.00" in service.opening(64, greedy=True).detail
+    assert "α̂ 0.00" in service.opening(64, greedy=False).detail
 
 
 # --- through the services ------------------------------------------------------------------

@@ -266,8 +266,10 @@ class ServiceAuto:
         self.step_costs: ServedStepCosts | None = None  # a batched step's, once calibrated
         self.calibrate(forward_s or {})
         self._lock = threading.Lock()
-        self._accepted = 0.0
-        self._rejected = 0.0
+        # The α̂ prior by kind (greedy or sampled): the same draft keeps far fewer tokens
+        # sampled than greedy, and a greedy prior would open and speculate sampled requests.
+        self._accepted = {True: 0.0, False: 0.0}
+        self._rejected = {True: 0.0, False: 0.0}
         self._draft_prefill = _Window()  # seconds of a draft session's prefill, as the draft reports
         self._first_wait = _Window()  # a first round's wait for its proposal beyond a steady round's
 
@@ -285,16 +287,18 @@ class ServiceAuto:
     def costs(self, greedy: bool) -> ServedCosts:
         return self.greedy if greedy else self.sampled
 
-    def observe_alpha(self, accepted: int, rejected: bool) -> None:
-        """A speculative round of any session (the prior follows about the last 100)."""
+    def observe_alpha(self, greedy: bool, accepted: int, rejected: bool) -> None:
+        """A speculative round of any greedy or sampled session (the prior follows about
+        the last 100 of its kind)."""
         with self._lock:
-            self._accepted = 0.99 * self._accepted + accepted
-            self._rejected = 0.99 * self._rejected + rejected
+            self._accepted[greedy] = 0.99 * self._accepted[greedy] + accepted
+            self._rejected[greedy] = 0.99 * self._rejected[greedy] + rejected
 
-    def prior_alpha(self) -> float:
+    def prior_alpha(self, greedy: bool) -> float:
+        """The service's α̂ for a greedy or sampled session; the policy's until one ran."""
         with self._lock:
-            seen = self._accepted + self._rejected
-            return self._accepted / seen if seen else self.policy.prior_alpha
+            seen = self._accepted[greedy] + self._rejected[greedy]
+            return self._accepted[greedy] / seen if seen else self.policy.prior_alpha
 
     def ratios(self, greedy: bool) -> tuple[float, dict[int, float]] | None:
         """c and v(k) of a greedy or sampled session alone: what decides whether its draft
@@ -361,7 +365,7 @@ class ServiceAuto:
         if lone is None or not measured:
             return Opening(True, "the opening's cost is not measured yet")
         c, v, token_s = lone
-        alpha = self.prior_alpha()
+        alpha = self.prior_alpha(greedy)
         _, gain = best_k(alpha, c, v, self.policy.k_max)
         if gain <= 1.0:
             return Opening(True, f"no k gains at the service's α̂ {alpha:.2f}: the session's own rounds judge it")
@@ -373,7 +377,7 @@ class ServiceAuto:
         return Opening(saving > cost, sentence)
 
     def session(self, greedy: bool) -> AutoSession:
-        return AutoSession(self.policy, lambda: self.ratios(greedy), self.prior_alpha)
+        return AutoSession(self.policy, lambda: self.ratios(greedy), lambda: self.prior_alpha(greedy))
 
 
 class AutoSession:

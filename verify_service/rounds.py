@@ -323,8 +323,7 @@ class RoundLoop:
         for i in chosen:
             caps[i] = min(k_max, planned[i].remaining - 1)
         floors = [0 if i in chosen else turn.k for i, turn in enumerate(turns)]
-        prior = self._auto.prior_alpha()
-        alphas = [turn.alpha if turn.alpha else prior for turn in turns]
+        alphas = [turn.alpha or self._auto.prior_alpha(r.plan.params.greedy) for r, turn in zip(planned, turns)]
         ks, goodput = choose_ks(alphas, step, k_max, caps, floors)
         for i in chosen:
             how = common_pb2.AUTO_CHOICE_BEST_K if ks[i] else common_pb2.AUTO_CHOICE_LOAD
@@ -446,7 +445,8 @@ class RoundLoop:
         if request.auto is not None:
             request.auto.observe(stats.draft_tokens, stats.accepted_tokens, emitted)
         if stats.draft_tokens:
-            self._auto.observe_alpha(stats.accepted_tokens, stats.accepted_tokens < stats.draft_tokens)
+            greedy = request.plan.params.greedy
+            self._auto.observe_alpha(greedy, stats.accepted_tokens, stats.accepted_tokens < stats.draft_tokens)
         if request.auto is not None and stats.draft_tokens and request.usage.proposed == stats.draft_tokens:
             # the session's first speculative round: what it waited beyond a steady one is the opening's
             self._auto.observe_first_round(stats.draft_tokens, stats.draft_time_us / 1e6, request.plan.params.greedy)
