@@ -33,7 +33,7 @@ from specdec import defaults
 from specdec.client import connect
 from specdec.launcher import Stack, StackConfig, free_port
 from specdec.requests import SPECULATION_MODES
-from specdec.v1 import generation_pb2
+from specdec.v1 import common_pb2, generation_pb2
 
 PROGRESS_S = 5.0  # a progress line this often
 
@@ -63,36 +63,51 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None:
-    ttft, gaps, tokens, usage = None, [], 0, None
+@dataclass
+class Streamed:
+    """One completed stream as its client saw it."""
+
+    token_ids: list[int]
+    ttft_s: float | None  # until the first message with tokens
+    gaps_s: list[float]  # one per token after the first message's: a message of n tokens is n equal gaps
+    usage: common_pb2.Usage | None  # from the final message
+
+
+def timed_stream(stub, req: generation_pb2.GenerateRequest) -> Streamed:
+    """Runs one Generate call to its end, timing each token's arrival (grpc.RpcError on failure)."""
+    streamed = Streamed([], None, [], None)
     start = last = time.perf_counter()
+    for message in stub.Generate(req, timeout=600):
+        now, n = time.perf_counter(), len(message.token_ids)
+        if n and streamed.ttft_s is None:
+            streamed.ttft_s = now - start
+        elif n:
+            streamed.gaps_s += [(now - last) / n] * n
+        if n:
+            last = now
+        streamed.token_ids += message.token_ids
+        if message.finish_reason:
+            streamed.usage = message.usage
+    return streamed
+
+
+def one_request(stub, req: generation_pb2.GenerateRequest, tally: Tally) -> None:
     try:
-        for message in stub.Generate(req, timeout=600):
-            now = time.perf_counter()
-            n = len(message.token_ids)
-            if n and ttft is None:
-                ttft = now - start
-            elif n:
-                gaps += [(now - last) / n] * n
-            if n:
-                last = now
-            tokens += n
-            if message.finish_reason:
-                usage = message.usage
+        streamed = timed_stream(stub, req)
     except grpc.RpcError as err:
         with tally.lock:
             tally.errors[err.code().name] += 1
         return
     with tally.lock:
         tally.requests += 1
-        tally.tokens += tokens
-        if usage is not None:
-            tally.rounds += usage.rounds
-            tally.proposed += usage.draft_tokens_proposed
-            tally.accepted += usage.draft_tokens_accepted
-        if ttft is not None:
-            tally.ttft_s.append(ttft)
-        tally.itl_s += gaps
+        tally.tokens += len(streamed.token_ids)
+        if streamed.usage is not None:
+            tally.rounds += streamed.usage.rounds
+            tally.proposed += streamed.usage.draft_tokens_proposed
+            tally.accepted += streamed.usage.draft_tokens_accepted
+        if streamed.ttft_s is not None:
+            tally.ttft_s.append(streamed.ttft_s)
+        tally.itl_s += streamed.gaps_s
 
 
 def run_load(config: LoadConfig, progress: TextIO = sys.stderr) -> dict:

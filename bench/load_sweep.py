@@ -47,6 +47,7 @@ import numpy as np
 
 from bench.benchmark import mismatched_draft
 from bench.flags import config_from_args
+from bench.load import timed_stream
 from specdec import defaults
 from specdec.client import connect
 from specdec.launcher import Stack, StackConfig, free_port
@@ -118,26 +119,17 @@ def _request(prompt: str, index: int, policy: str, temperature: float, max_new_t
 
 
 def _one(stub, req: generation_pb2.GenerateRequest, index: int, point: Point) -> None:
-    ttft, gaps, tokens = None, [], []
-    start = last = time.perf_counter()
     try:
-        for message in stub.Generate(req, timeout=600):
-            now, n = time.perf_counter(), len(message.token_ids)
-            if n and ttft is None:
-                ttft = now - start
-            elif n:
-                gaps += [(now - last) / n] * n  # a message of n tokens: n gaps
-            if n:
-                last = now
-            tokens += message.token_ids
+        streamed = timed_stream(stub, req)
     except grpc.RpcError as err:
         with point.lock:
             point.errors[err.code().name] = point.errors.get(err.code().name, 0) + 1
         return
+    ttft, gaps = streamed.ttft_s, streamed.gaps_s
     with point.lock:
         point.requests += 1
-        point.tokens += len(tokens)
-        point.outputs.append((index, tokens))
+        point.tokens += len(streamed.token_ids)
+        point.outputs.append((index, streamed.token_ids))
         point.itl_s += gaps
         if ttft is not None:  # a request's TTFT and its inter-token p99 stay paired for the objective
             point.ttft_s.append(ttft)

@@ -120,8 +120,20 @@ def forward_seconds(
     return {n: min(ones) * statistics.median(r) for n, r in ratios.items()}
 
 
+CALIBRATION_CONTEXT = 128  # cached tokens behind each session of a batched forward's calibration
+
+
+def calibration_context(model: CausalLM, context: int, per_session: Sequence[int]) -> int:
+    """The context a calibration can use: `context`, less what the model's positions leave."""
+    return max(1, min(context, model.max_positions - max(per_session)))
+
+
 def batch_forward_seconds(
-    model: CausalLM, sessions: Sequence[int], per_session: Sequence[int], context: int = 128, repeats: int = 5
+    model: CausalLM,
+    sessions: Sequence[int],
+    per_session: Sequence[int],
+    context: int = CALIBRATION_CONTEXT,
+    repeats: int = 5,
 ) -> dict[tuple[int, int], float]:
     """Seconds of one forward over p new positions of each of s sessions (each behind
     `context` cached tokens), by (s, p) for s in sessions and p in per_session: what AUTO's
@@ -129,7 +141,7 @@ def batch_forward_seconds(
     forward_seconds: each value is the fastest one-session, one-position forward times the
     median of its per-repetition ratios to it."""
     forwards = model.forwards
-    context = max(1, min(context, model.max_positions - max(per_session)))
+    context = calibration_context(model, context, per_session)
     capacity = context + max(per_session)
     caches = []
     try:

@@ -466,7 +466,7 @@ def test_a_session_held_at_k_0_by_load_resumes_speculating_without_a_probe_when_
     assert long.token_ids == reference.token_ids
     rounds = [m.round for m in long.messages[:-1]]
     held = [i for i, r in enumerate(rounds) if r.auto_choice == LOAD]
-    assert held, [(r.auto_choice, r.draft_tokens, r.batch_sessions) for r in rounds]
+    assert held, [(r.auto_choice, r.draft_tokens, r.batch_sessions, round(r.predicted_tokens_per_s), r.draft_time_us // 1000, r.verify_time_us // 1000) for r in rounds]
     assert all(rounds[i].batch_sessions > 1 and rounds[i].draft_tokens == 0 for i in held)
     # Held rounds are not evidence against the draft: α̂ stays as it was.
     assert all(rounds[i].alpha_estimate == rounds[i - 1].alpha_estimate for i in held if i - 1 in held)

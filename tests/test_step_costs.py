@@ -9,7 +9,7 @@ import pytest
 
 from specdec.costs import batch_forward_seconds
 from specdec.runtime import CausalLM, ModelSpec
-from verify_service.step_costs import MIN_DRAFT_SAMPLES, ServedStepCosts
+from verify_service.step_costs import MIN_DRAFT_SAMPLES, ContextCost, ServedStepCosts
 
 # sessions, positions each -> seconds: memory-bound (flat) to 16 rows, then compute-bound
 GRID = {(1, 1): 0.010, (1, 4): 0.0105, (1, 16): 0.012, (4, 1): 0.0108, (4, 4): 0.012, (4, 16): 0.030}
@@ -37,6 +37,30 @@ def test_served_forwards_scale_the_calibration() -> None:
     assert costs.forward(1, 1) == pytest.approx(2 * 0.010)
 
 
+def test_a_longer_context_costs_per_session_and_per_row() -> None:
+    """Attention reads each session's cached keys (per session) and scores each row against
+    them (per row): both fitted from forwards at a longer context, and priced into every
+    forward the chooser weighs; served forwards at that context keep the scale at 1."""
+    per_session, per_row = 0.5e-6, 0.15e-6  # seconds per further context token
+    longer = {(s, p): GRID[s, p] + (per_session * s + per_row * s * p) * 384 for s, p in ((1, 1), (4, 1), (4, 4))}
+    context = ContextCost.fitted(128, GRID, 512, longer)
+    assert (context.per_session, context.per_row) == pytest.approx((per_session, per_row))
+    assert ContextCost.fitted(128, GRID, 128, longer) == ContextCost(128)  # no longer context measured: no term
+    costs = ServedStepCosts(GRID, context)
+    assert costs.forward(4, 16, context=128) == pytest.approx(0.012)
+    assert costs.forward(4, 16, context=512) == pytest.approx(longer[4, 4])
+    assert costs.forward(4, 16, context=0) == pytest.approx(0.012 - (4 * per_session + 16 * per_row) * 128)
+    for _ in range(5):
+        costs.observe_forward(4, 16, longer[4, 4], context=512)
+    assert costs.forward(4, 16, context=512) == pytest.approx(longer[4, 4])
+    # The chooser's rows are dearer behind a longer context, each further row by per_row.
+    for draft in (2, 4, 3):
+        costs.observe_draft(draft, draft, 1e-3 * draft)
+    short, long = costs.step_costs(4, k_max=4, context=128), costs.step_costs(4, k_max=4, context=1128)
+    assert long.verify(4) - short.verify(4) == pytest.approx((4 * per_session + 4 * per_row) * 1000)
+    assert long.verify(20) - short.verify(20) == pytest.approx((4 * per_session + 20 * per_row) * 1000)
+
+
 def test_the_draft_line_is_fitted_from_batched_steps() -> None:
     costs = ServedStepCosts(GRID)
     call, fixed, per = 0.8e-3, 1.2e-3, 0.15e-3
@@ -45,6 +69,18 @@ def test_the_draft_line_is_fitted_from_batched_steps() -> None:
         assert (costs.draft_line() is None) == (i < MIN_DRAFT_SAMPLES)
         costs.observe_draft(steps, proposed, call + fixed * steps + per * proposed)
     assert costs.draft_line() == pytest.approx((call, fixed, per), abs=1e-12)
+
+
+def test_where_all_three_draft_terms_do_not_fit_the_pair_that_fits_best_is_taken() -> None:
+    """Waits that fall a little with K (the batched steps got cheaper as they filled) fit
+    a negative step cost; of the pairs left, a call and a cost per session fit them, not
+    the call and step cost that an order of preference would pick first."""
+    costs = ServedStepCosts(GRID)
+    samples = [(2, 8), (4, 10), (3, 24), (6, 30), (8, 16), (5, 40)]  # (K, Σk)
+    for steps, proposed in samples:
+        costs.observe_draft(steps, proposed, 1e-3 + 0.2e-3 * proposed - 0.05e-3 * steps)
+    call, step, per = costs.draft_line()
+    assert step == 0.0 and call == pytest.approx(0.82e-3, rel=0.01) and per == pytest.approx(0.1975e-3, rel=0.01)
 
 
 def test_one_session_per_draft_step_fits_a_call_and_a_step() -> None:

@@ -47,7 +47,7 @@ import numpy as np
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.speculation_gain import best_k
 from specdec.v1 import common_pb2
-from verify_service.step_costs import ServedStepCosts
+from verify_service.step_costs import ContextCost, ServedStepCosts
 
 WINDOW = 32  # recent rounds whose median gives each measured cost
 MIN_DRAFT_SAMPLES = 3  # rounds measured before the draft's cost is trusted
@@ -274,15 +274,19 @@ class ServiceAuto:
         self._first_wait = _Window()  # a first round's wait for its proposal beyond a steady round's
 
     def calibrate(
-        self, forward_s: dict[int, float], batch_forward_s: Mapping[tuple[int, int], float] | None = None
+        self,
+        forward_s: dict[int, float],
+        batch_forward_s: Mapping[tuple[int, int], float] | None = None,
+        context: ContextCost | None = None,
     ) -> None:
         """forward_s: one session's forward seconds by positions; batch_forward_s: a
-        forward's seconds by (sessions, positions each), for the batch chooser."""
+        forward's seconds by (sessions, positions each), for the batch chooser, and context
+        what a longer context adds to them."""
         self.greedy = ServedCosts(forward_s)  # rounds that ran alone in their step
         self.sampled = ServedCosts(forward_s)
         self._every_round = {True: ServedCosts(forward_s), False: ServedCosts(forward_s)}  # alone or not
         if batch_forward_s:
-            self.step_costs = ServedStepCosts(batch_forward_s)
+            self.step_costs = ServedStepCosts(batch_forward_s, context)
 
     def costs(self, greedy: bool) -> ServedCosts:
         return self.greedy if greedy else self.sampled

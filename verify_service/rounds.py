@@ -13,6 +13,7 @@ session already holds every committed token, so nothing is lost or repeated.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -246,7 +247,7 @@ class RoundLoop:
         previous, self._previous_step = self._previous_step, None
         if costs is None or not forwarded.seconds:
             return
-        costs.observe_forward(forwarded.sessions, forwarded.positions, forwarded.seconds)
+        costs.observe_forward(forwarded.sessions, forwarded.positions, forwarded.seconds, forwarded.context)
         ks = [len(p.ids) for p in proposed.by_session.values()]
         if ks and max(ks):
             costs.observe_draft(max(ks), sum(ks), proposed.wait_s)
@@ -316,7 +317,9 @@ class RoundLoop:
         if not chosen or costs is None or (len(planned) == 1 and not chunk_rows):
             return turns  # alone, a session's own choice is the chooser's (with its pause margin)
         k_max = self._auto.policy.k_max
-        step = costs.step_costs(len(planned), k_max, chunk_rows)
+        lengths = [s.cache.length for r in planned if (s := self._verifier.sessions.get(r.sid)) is not None]
+        context = statistics.fmean(lengths) if lengths else None
+        step = costs.step_costs(len(planned), k_max, chunk_rows, context)
         if step is None:  # the draft's batched cost is not known yet: each session's own k
             return turns
         caps = [turn.k for turn in turns]

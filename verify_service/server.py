@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from specdec import defaults
-from specdec.costs import batch_forward_seconds, forward_seconds
+from specdec.costs import CALIBRATION_CONTEXT, batch_forward_seconds, calibration_context, forward_seconds
 from specdec.errors import ServiceError
 from specdec.facts import kv_pool_info, peer_facts
 from specdec.fingerprint import load_fingerprint
@@ -29,6 +29,7 @@ from verify_service.auto_mode import AutoPolicy, ServiceAuto, parse_table
 from verify_service.decoder import DecodeLimits, Decoder, session_kv_budget
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from verify_service.round_telemetry import Instruments
+from verify_service.step_costs import ContextCost
 from verify_service.verifier import Verifier
 
 
@@ -228,15 +229,25 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     # positions up to k_max + 1 (the chooser interpolates between them).
     sessions = sorted({min(s, config.max_sessions) for s in (1, 4, 16)})
     each = [p for p in (1, 2, 3, 5, 9, 17) if p <= policy.k_max + 1]
-    batch_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions, each, repeats=3))
-    auto.calibrate(forward_s, batch_s)
+    short = calibration_context(model, CALIBRATION_CONTEXT, each)
+    batch_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions, each, short, repeats=3))
+    # The context's cost from the fewest and most sessions at one and five positions, at a
+    # context four times longer: attention's share grows with sessions, rows and context.
+    longer, shapes = calibration_context(model, 4 * CALIBRATION_CONTEXT, each), [p for p in (1, 5) if p in each]
+    longer_s = decoder.loop.call(
+        lambda: batch_forward_seconds(model, sorted({sessions[0], sessions[-1]}), shapes, longer, repeats=3)
+    )
+    context = ContextCost.fitted(short, batch_s, longer, longer_s)
+    auto.calibrate(forward_s, batch_s, context)
     log.info(
         "measured the target's forward for AUTO mode in %.2f s: over 1..%d positions (ms: %s); "
-        "sessions x positions each (ms: %s)",
+        "sessions x positions each (ms: %s); per further context token, %.3g µs a session and %.3g µs a row",
         time.perf_counter() - started,
         positions[-1],
         " ".join(f"{n}:{s * 1e3:.2f}" for n, s in forward_s.items()),
         " ".join(f"{s}x{p}:{t * 1e3:.2f}" for (s, p), t in batch_s.items()),
+        context.per_session * 1e6,
+        context.per_row * 1e6,
     )
     sweeper = IdleSweeper(config.session_idle_s, decoder.expire_idle, "verify-idle")
     observe_sessions(telemetry.meter, lambda: decoder.admission.active, "requests being decoded")

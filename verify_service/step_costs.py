@@ -1,16 +1,18 @@
 """A batched step's costs as this service serves them, for AUTO's batch chooser
-(specdec.batch_gain): the target forward's seconds by sessions and rows, from a calibration
-at startup (specdec.costs.batch_forward_seconds) scaled by how much slower served forwards
-run than it predicts; the draft's batched steps as a fixed cost plus one per session, fitted
-to what the step's proposals took; and the rest of a step (RPC, Python), measured. Medians
-and fits over recent steps only, so the costs follow load and context lengths as they move.
-Used from the round loop's thread only."""
+(specdec.batch_gain): the target forward's seconds by sessions, rows and context, from a
+calibration at startup (specdec.costs.batch_forward_seconds, at two context lengths) scaled
+by how much slower served forwards run than it predicts; the draft's batched steps as a
+fixed cost plus one per session, fitted to what the step's proposals took; and the rest of
+a step (RPC, Python), measured. Medians and fits over recent steps only, so the costs
+follow load as it moves. Used from the round loop's thread only."""
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
 
@@ -31,11 +33,41 @@ def _along(points: list[tuple[int, float]], x: np.ndarray) -> np.ndarray:
     return np.where(x < xs[0], below, np.where(x > xs[-1], above, np.interp(x, xs, ys)))
 
 
+@dataclass(frozen=True)
+class ContextCost:
+    """What a forward adds per token of context beyond the calibration's: attention reads
+    each session's cached keys and values (per session) and scores every row against them
+    (per row). Both by least squares over forwards timed at a longer context."""
+
+    context: int  # the calibration's cached tokens behind each session
+    per_session: float = 0.0  # seconds per session per further context token
+    per_row: float = 0.0  # seconds per row per further context token
+
+    @classmethod
+    def fitted(
+        cls, context: int, forward_s: Mapping[tuple[int, int], float], longer: int,
+        longer_s: Mapping[tuple[int, int], float],
+    ) -> ContextCost:  # fmt: skip
+        """From forwards by (sessions, positions each) at `context` and the same shapes at `longer`."""
+        shapes = [shape for shape in longer_s if shape in forward_s]
+        if longer <= context or not shapes:
+            return cls(context)
+        x = np.array([(s, s * p) for s, p in shapes], dtype=float) * (longer - context)
+        y = np.array([longer_s[shape] - forward_s[shape] for shape in shapes])
+        (per_session, per_row), *_ = np.linalg.lstsq(x, y, rcond=None)
+        return cls(context, max(0.0, float(per_session)), max(0.0, float(per_row)))
+
+    def seconds(self, sessions: int, rows: np.ndarray, context: float) -> np.ndarray:
+        return (self.per_session * sessions + self.per_row * rows) * (context - self.context)
+
+
 class ServedStepCosts:
-    def __init__(self, forward_s: Mapping[tuple[int, int], float]) -> None:
-        """forward_s: calibrated seconds of a forward by (sessions, new positions each)."""
+    def __init__(self, forward_s: Mapping[tuple[int, int], float], context: ContextCost | None = None) -> None:
+        """forward_s: calibrated seconds of a forward by (sessions, new positions each);
+        context: what a longer context adds to them (none: context is left to the served scale)."""
         if not forward_s:
             raise ValueError("ServedStepCosts needs at least one calibrated forward")
+        self._context = context
         curves: dict[int, list[tuple[int, float]]] = {}
         for (sessions, positions), seconds in forward_s.items():
             curves.setdefault(sessions, []).append((sessions * positions, seconds))
@@ -46,14 +78,25 @@ class ServedStepCosts:
         self._draft: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (K, Σk, seconds)
         self._rest: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (sessions, seconds)
 
-    def forward(self, sessions: int, rows: int) -> float:
-        """Predicted seconds of a served forward over `rows` rows of `sessions` sessions:
-        along each calibrated session count's curve, then linear between the two counts
-        around `sessions` (the nearest one outside them), times the served scale."""
-        return float(self._forwards(sessions, np.array([rows], dtype=float))[0]) * self._served_scale()
+    def forward(self, sessions: int, rows: int, context: float | None = None) -> float:
+        """Predicted seconds of a served forward over `rows` rows of `sessions` sessions
+        behind `context` cached tokens each on average (None: the calibration's): along each
+        calibrated session count's curve, then linear between the two counts around
+        `sessions` (the nearest one outside them), plus the context's cost, times the
+        served scale."""
+        rows_ = np.array([rows], dtype=float)
+        return float(self._predicted(sessions, rows_, context)[0]) * self._served_scale()
 
     def _served_scale(self) -> float:
         return statistics.median(self._scale) if self._scale else 1.0
+
+    def _predicted(self, sessions: int, rows: np.ndarray, context: float | None) -> np.ndarray:
+        """The calibration's seconds over each of `rows` at `context`, unscaled; a context
+        shorter than the calibration's takes off at most half of them."""
+        base = self._forwards(sessions, rows)
+        if self._context is None or context is None:
+            return base
+        return np.maximum(base + self._context.seconds(sessions, rows, context), 0.5 * base)
 
     def _forwards(self, sessions: int, rows: np.ndarray) -> np.ndarray:
         """The calibration's seconds of forwards over each of `rows`, unscaled."""
@@ -63,9 +106,10 @@ class ServedStepCosts:
         low, high = _along(self._curves[below], rows), _along(self._curves[above], rows)
         return low if above == below else low + (high - low) * (sessions - below) / (above - below)
 
-    def observe_forward(self, sessions: int, rows: int, seconds: float) -> None:
-        """A served forward: how much slower (or faster) than the calibration predicts."""
-        predicted = float(self._forwards(sessions, np.array([rows], dtype=float))[0])
+    def observe_forward(self, sessions: int, rows: int, seconds: float, context: float | None = None) -> None:
+        """A served forward behind `context` cached tokens per session on average: how much
+        slower (or faster) than the calibration predicts."""
+        predicted = float(self._predicted(sessions, np.array([rows], dtype=float), context)[0])
         if predicted > 0:
             self._scale.append(seconds / predicted)
 
@@ -97,30 +141,37 @@ class ServedStepCosts:
         """(seconds per call, per batched draft step, per session in a step) by least
         squares over recent steps: the fullest set of these terms that the samples tell
         apart (not when every step had one session, Σk = K; not when every K was the same)
-        and that fits none negative; None until MIN_DRAFT_SAMPLES steps. Failing all,
-        a draft step costs the median of wait / K."""
+        and that fits none negative (of two terms, the pair with the least residual); None
+        until MIN_DRAFT_SAMPLES steps. Failing all, a draft step costs the median of wait / K."""
         if len(self._draft) < MIN_DRAFT_SAMPLES:
             return None
         x = np.array([(1.0, k, total) for k, total, _ in self._draft])
         y = np.array([seconds for *_, seconds in self._draft])
-        for terms in ((0, 1, 2), (0, 1), (1, 2), (0, 2)):  # the first the samples determine, none negative
-            if np.linalg.matrix_rank(x[:, terms]) < len(terms):
-                continue
-            coef, *_ = np.linalg.lstsq(x[:, terms], y, rcond=None)
-            if (coef >= -1e-9 * float(np.abs(y).max())).all():  # exact samples fit zeros as ±1e-18
-                fitted = dict(zip(terms, np.clip(coef, 0.0, None).tolist()))
+        for size in (3, 2):  # all three terms where they fit; else the pair that fits the samples best
+            fits = []
+            for terms in combinations(range(3), size):
+                if np.linalg.matrix_rank(x[:, terms]) < size:
+                    continue
+                coef, *_ = np.linalg.lstsq(x[:, terms], y, rcond=None)
+                if (coef >= -1e-9 * float(np.abs(y).max())).all():  # exact samples fit zeros as ±1e-18
+                    residual = float(np.sum((x[:, terms] @ coef - y) ** 2))
+                    fits.append((residual, dict(zip(terms, np.clip(coef, 0.0, None).tolist()))))
+            if fits:
+                fitted = min(fits, key=lambda fit: fit[0])[1]
                 return fitted.get(0, 0.0), fitted.get(1, 0.0), fitted.get(2, 0.0)
         return 0.0, statistics.median(seconds / k for k, _, seconds in self._draft), 0.0
 
-    def step_costs(self, sessions: int, k_max: int, other_rows: int = 0) -> StepCosts | None:
-        """The StepCosts of a step of `sessions` rounds beside `other_rows` rows of prompt
-        chunks, for the chooser (rows counted as it counts them, n + Σk); None until the
-        draft's cost is known."""
+    def step_costs(
+        self, sessions: int, k_max: int, other_rows: int = 0, context: float | None = None
+    ) -> StepCosts | None:
+        """The StepCosts of a step of `sessions` rounds behind `context` cached tokens each
+        on average, beside `other_rows` rows of prompt chunks, for the chooser (rows counted
+        as it counts them, n + Σk); None until the draft's cost is known."""
         line = self.draft_line()
         if line is None:
             return None
         rows = np.arange(sessions, sessions * (k_max + 1) + 1)
-        seconds = self._forwards(sessions, (rows + other_rows).astype(float)) * self._served_scale()
+        seconds = self._predicted(sessions, (rows + other_rows).astype(float), context) * self._served_scale()
         points = tuple(zip(rows.tolist(), seconds.tolist()))
         call, fixed, per = line
         return StepCosts(points, draft_call=call, draft_fixed=fixed, draft_per_session=per, rest=self.rest(sessions))

@@ -93,6 +93,7 @@ class Forwarded:
     sessions: int  # sessions that shared the forward: rounds and prompt chunks
     positions: int  # positions it ran
     seconds: float  # its wall time (0 when nothing ran)
+    context: float = 0.0  # cached tokens behind each of its sessions, on average
 
 
 @dataclass
@@ -161,6 +162,7 @@ class Verifier:
             caches.append(session.cache)
             feeds.append(session.tokens[start : start + min(count, session.prefill_left)])
         seconds = 0.0
+        context = sum(cache.length for cache in caches) / len(caches) if caches else 0.0
         if caches:
             start_time = time.perf_counter()
             logits = self.model.forward_batch(caches, feeds)
@@ -168,7 +170,7 @@ class Verifier:
             self.prefills += bool(prefill)
             for (i, session, step), session_logits in zip(verifying, logits):
                 outcomes[i] = self.conclude(session, step, session_logits, seconds)
-        return Forwarded(outcomes, len(caches), sum(len(f) for f in feeds), seconds)  # type: ignore[arg-type]
+        return Forwarded(outcomes, len(caches), sum(len(f) for f in feeds), seconds, context)  # type: ignore[arg-type]
 
     def conclude(self, session: TargetSession, step: Verify, logits: torch.Tensor, forward_s: float) -> Verified:
         """Acceptance of one round from its forward's logits, then the commit."""
