@@ -105,8 +105,8 @@ def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path, monkeypa
 
 def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_output(toy, tmp_path):
     config = SweepConfig(
-        target=str(toy.target), draft=str(toy.close), streams=(1, 3), rates=(1.0,), temperatures=(0.0,),
-        seconds=0.5, repeats=1, prompts=3, max_new_tokens=24, mismatched_streams=(1,), out=tmp_path,
+        target=str(toy.target), draft=str(toy.close), streams=(1, 2), rates=(1.0,), temperatures=(0.0,),
+        seconds=0.3, repeats=1, prompts=2, max_new_tokens=16, mismatched_streams=(1,), out=tmp_path,
     )  # fmt: skip
     result = run_sweep(config, progress=lambda line: None)
     write(result, tmp_path)
@@ -114,7 +114,7 @@ def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_o
     assert json.loads((tmp_path / "load.json").read_text()) == json.loads(json.dumps(result))
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = {(p["loop"], p["level"], p["temperature"]): p for p in result["points"]}
-    levels = (("closed", 1), ("closed", 3), ("open", 1.0))
+    levels = (("closed", 1), ("closed", 2), ("open", 1.0))
     assert set(points) == {(loop, level, 0.0) for loop, level in levels}
     for point in points.values():
         assert set(point["policies"]) == set(POLICIES)

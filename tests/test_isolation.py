@@ -135,10 +135,10 @@ def seeded_requests() -> dict[str, object]:
 
 def test_a_seeded_request_repeats_in_every_mode_at_every_k_under_load(stack):
     requests = seeded_requests()
-    alone = {name: [run(stack, req) for _ in range(3)] for name, req in requests.items()}
+    alone = {name: [run(stack, req) for _ in range(2)] for name, req in requests.items()}
     expected = alone["off"][0].token_ids
     for name, completions in alone.items():
-        assert [c.token_ids for c in completions] == [expected] * 3, name
+        assert [c.token_ids for c in completions] == [expected] * 2, name
 
     # The sampling is real and the speculation too: the draft's proposals were accepted
     # and rejected, AUTO speculated, and another seed or greedy decoding differ.
@@ -164,9 +164,9 @@ def test_a_seeded_request_repeats_in_every_mode_at_every_k_under_load(stack):
     with ThreadPoolExecutor(len(OTHER_PROMPTS)) as pool:
         loaders = [pool.submit(load, i) for i in range(len(OTHER_PROMPTS))]
         try:
-            loaded = {name: [run(stack, req) for _ in range(3)] for name, req in requests.items()}
+            loaded = {name: [run(stack, req) for _ in range(2)] for name, req in requests.items()}
         finally:
             stop.set()
         assert all(f.result() > 0 for f in loaders)
     for name, completions in loaded.items():
-        assert [c.token_ids for c in completions] == [expected] * 3, name
+        assert [c.token_ids for c in completions] == [expected] * 2, name
