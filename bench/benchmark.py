@@ -68,6 +68,7 @@ class BenchConfig:
     draft_threads: int = 1  # torch threads of the draft service (its default)
     peer_threads: int = 2  # torch threads of transformers' generate in this process
     in_flight: tuple[int, ...] = (1, 16)  # streams in flight of the load section (greedy, every column of ours)
+    load_tokens: int = 128  # output length of the load section's requests
     calibration_length: int = 256  # output length of the runs that choose our best k
     mismatched_length: int = 256  # output length of the runs with the mismatched draft
     out: Path = Path("bench/results/cpu")
@@ -86,7 +87,6 @@ QUICK = dict(
     prompts=2, lengths=(32, 256), ks=(2, 4), calibration_length=128, mismatched_length=128, short_repeats=1, mid_repeats=1,
     mismatched_repeats=1, in_flight=(1, 4),
 )  # fmt: skip
-LOAD_TOKENS = 128  # output length of the load section's requests
 
 
 @dataclass
@@ -218,12 +218,12 @@ def run_bench(config: BenchConfig, programs: dict[str, list[str]] | None = None,
 
 def in_flight_load(config: BenchConfig, prompts: list[list[int]], gateway: str, log: TextIO) -> list[dict]:
     """Aggregate tokens/s by streams in flight: every prompt, repeated to twice the most
-    streams, LOAD_TOKENS greedy tokens each, target-only, ON at k = 4 and AUTO."""
-    work = [prompts[i % len(prompts)] for i in range(2 * max(config.in_flight))]
+    streams, load_tokens greedy tokens each, target-only, ON at k = 4 and AUTO."""
+    work = [prompts[i % len(prompts)] for i in range(2 * max(config.in_flight, default=0))]
     rows = []
     for in_flight in config.in_flight:
         for mode in ("target-only", "on-k4", "auto"):
-            result = through_services(gateway, work, in_flight, mode, LOAD_TOKENS)
+            result = through_services(gateway, work, in_flight, mode, config.load_tokens)
             rows.append({"in_flight": in_flight, "mode": mode, **{k: v for k, v in result.items() if k != "wall_s"}})
             print(f"  load: {in_flight} in flight, {mode}: {result['tokens_per_s']:.1f} tokens/s", file=log, flush=True)
     return rows

@@ -253,7 +253,8 @@ def markdown(result: dict) -> str:
     if result.get("in_flight"):
         lines += [
             "",
-            "Streams in flight (greedy, each request 128 tokens): aggregate tokens/s, time to first token and "
+            f"Streams in flight (greedy, each request {result['config'].get('load_tokens', 128)} tokens): "
+            "aggregate tokens/s, time to first token and "
             "inter-token latency.",
             "",
             "| in flight | mode | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",

@@ -148,6 +148,8 @@ def batch_forward_seconds(
         while len(caches) < max(sessions) and model.fits(capacity):
             caches.append(model.new_cache(capacity))
             model.forward(caches[-1], _prefix(model, context))
+        if not caches:  # the pool holds no session of this context
+            return {}
 
         def timed(s: int, p: int) -> float:
             start = time.perf_counter()

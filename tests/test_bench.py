@@ -21,7 +21,7 @@ def tiny_config(toy, out) -> BenchConfig:
     return BenchConfig(
         target=str(toy.target), draft=str(toy.close), prompts=2, lengths=LENGTHS, temperatures=TEMPERATURES,
         ks=(2, 3), repeats=1, verify_threads=1, peer_threads=1, calibration_length=16, mismatched_length=48,
-        short_repeats=1, mismatched_repeats=1, in_flight=(1, 4), out=out,
+        short_repeats=1, mismatched_repeats=1, in_flight=(1, 4), load_tokens=24, out=out,
     )  # fmt: skip
 
 
@@ -74,7 +74,10 @@ def test_quick_bench_reports_every_cell_and_passes_the_greedy_check(toy, tmp_pat
 
 
 def test_a_corrupted_verify_step_fails_the_greedy_check(toy, tmp_path):
-    config = dataclasses.replace(tiny_config(toy, tmp_path / "out"), mismatched_repeats=0)
+    # Greedy cells only, no load section nor mismatched draft: the greedy check is all it asks.
+    config = dataclasses.replace(
+        tiny_config(toy, tmp_path / "out"), temperatures=(0.0,), in_flight=(), mismatched_repeats=0
+    )
     result = run_bench(config, programs={"verify": [sys.executable, "tests/corrupt_verify.py"]})
     failures = result["greedy_failures"]
     assert failures, "the corrupted verifier went unnoticed"

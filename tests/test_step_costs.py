@@ -130,3 +130,11 @@ def test_batch_forwards_are_calibrated_for_the_session_counts_the_pool_holds(toy
     assert set(measured) == {(1, 1), (1, 3), (2, 1), (2, 3)}  # four sessions do not fit three slots
     assert all(seconds > 0 for seconds in measured.values())
     assert model.forwards == forwards and model.pool_stats().reserved_tokens == 0  # nothing left behind
+
+
+def test_a_context_the_pool_cannot_hold_calibrates_nothing(toy) -> None:
+    """A small `--kv-pool-tokens` holds no session behind the longer context: that
+    calibration is left out (no context term) rather than failing the service's start."""
+    model = CausalLM.load(replace(ModelSpec(str(toy.target)), pool_tokens=32))
+    assert batch_forward_seconds(model, sessions=(1, 2), per_session=(1, 3), context=64, repeats=1) == {}
+    assert model.pool_stats().reserved_tokens == 0

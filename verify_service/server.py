@@ -231,12 +231,11 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     each = [p for p in (1, 2, 3, 5, 9, 17) if p <= policy.k_max + 1]
     short = calibration_context(model, CALIBRATION_CONTEXT, each)
     batch_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions, each, short, repeats=3))
-    # The context's cost from the fewest and most sessions at one and five positions, at a
-    # context four times longer: attention's share grows with sessions, rows and context.
+    # The context's cost from the two smallest session counts at one and five positions, at
+    # a context four times longer: attention's share grows with sessions, rows and context
+    # (two counts tell the per-session part from the per-row one; more only lengthen startup).
     longer, shapes = calibration_context(model, 4 * CALIBRATION_CONTEXT, each), [p for p in (1, 5) if p in each]
-    longer_s = decoder.loop.call(
-        lambda: batch_forward_seconds(model, sorted({sessions[0], sessions[-1]}), shapes, longer, repeats=3)
-    )
+    longer_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions[:2], shapes, longer, repeats=3))
     context = ContextCost.fitted(short, batch_s, longer, longer_s)
     auto.calibrate(forward_s, batch_s, context)
     log.info(
