@@ -128,6 +128,26 @@ def calibration_context(model: CausalLM, context: int, per_session: Sequence[int
     return max(1, min(context, model.max_positions - max(per_session)))
 
 
+def _fill(model: CausalLM, count: int, context: int, capacity: int) -> list:
+    """Up to `count` caches of `capacity` positions, each holding `context` tokens: as many
+    as the pool holds. The caller releases them."""
+    caches = []
+    while len(caches) < count and model.fits(capacity):
+        caches.append(model.new_cache(capacity))
+        model.forward(caches[-1], _prefix(model, context))
+    return caches
+
+
+def _time_batch(model: CausalLM, caches: list, p: int, context: int) -> float:
+    """Seconds of one forward over p new positions of each cache, rolled back to `context` after."""
+    start = time.perf_counter()
+    model.forward_batch(caches, [[1] * p] * len(caches))
+    elapsed = time.perf_counter() - start
+    for cache in caches:
+        cache.rollback(context)
+    return elapsed
+
+
 def batch_forward_seconds(
     model: CausalLM,
     sessions: Sequence[int],
@@ -142,38 +162,64 @@ def batch_forward_seconds(
     median of its per-repetition ratios to it."""
     forwards = model.forwards
     context = calibration_context(model, context, per_session)
-    capacity = context + max(per_session)
-    caches = []
+    caches = _fill(model, max(sessions), context, context + max(per_session))
     try:
-        while len(caches) < max(sessions) and model.fits(capacity):
-            caches.append(model.new_cache(capacity))
-            model.forward(caches[-1], _prefix(model, context))
         if not caches:  # the pool holds no session of this context
             return {}
-
-        def timed(s: int, p: int) -> float:
-            start = time.perf_counter()
-            model.forward_batch(caches[:s], [[1] * p] * s)
-            elapsed = time.perf_counter() - start
-            for cache in caches[:s]:
-                cache.rollback(context)
-            return elapsed
-
-        timed(1, 1)  # the first forward after a prefill pays for its allocations
+        _time_batch(model, caches[:1], 1, context)  # the first forward after a prefill pays for its allocations
         ones: list[float] = []
         ratios: dict[tuple[int, int], list[float]] = {
             (s, p): [] for s in sessions if s <= len(caches) for p in per_session
         }
         for _ in range(repeats):
-            one = timed(1, 1)
+            one = _time_batch(model, caches[:1], 1, context)
             ones.append(one)
             for (s, p), samples in ratios.items():
-                samples.append(timed(s, p) / one)
+                samples.append(_time_batch(model, caches[:s], p, context) / one)
     finally:
         for cache in caches:
             cache.release()
         model.forwards = forwards  # calibration is not service work
     return {key: min(ones) * statistics.median(r) for key, r in ratios.items()}
+
+
+def context_ratios(
+    model: CausalLM, most: int, per_session: Sequence[int], short: int, longer: int, repeats: int = 5
+) -> dict[tuple[int, int], float]:
+    """How many times slower a forward over p new positions of each of s sessions runs
+    behind `longer` cached tokens than behind `short`, by (s, p), for one session and for
+    the most sessions (up to `most`) that the pool holds at both contexts at once: the
+    median over repetitions of the two timed back to back, so that contention slowing a
+    repetition slows both (two calibrations minutes apart differ by more than what the
+    context adds)."""
+    forwards = model.forwards
+    room = max(per_session)
+    caches: dict[int, list] = {short: [], longer: []}
+    try:
+        while len(caches[longer]) < most:  # in pairs, the pool's slots or tokens shared
+            pair = [_fill(model, 1, context, context + room) for context in (short, longer)]
+            if not all(pair):
+                for cache in sum(pair, []):
+                    cache.release()
+                break
+            for context, filled in zip((short, longer), pair):
+                caches[context] += filled
+        held = len(caches[longer])
+        if not held:
+            return {}
+        for context, filled in caches.items():
+            _time_batch(model, filled[:1], 1, context)  # the first forward after a prefill pays for its allocations
+        ratios: dict[tuple[int, int], list[float]] = {(s, p): [] for s in sorted({1, held}) for p in per_session}
+        for _ in range(repeats):
+            for (s, p), samples in ratios.items():
+                at_short = _time_batch(model, caches[short][:s], p, short)
+                samples.append(_time_batch(model, caches[longer][:s], p, longer) / at_short)
+    finally:
+        for filled in caches.values():
+            for cache in filled:
+                cache.release()
+        model.forwards = forwards  # calibration is not service work
+    return {key: statistics.median(r) for key, r in ratios.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

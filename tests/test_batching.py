@@ -115,9 +115,11 @@ def test_a_long_prompt_prefills_in_chunks_beside_the_decoding_streams(default_pa
                 before.append(t1 - t0)
             elif t0 >= sent and t1 <= prefilled:
                 during.append(t1 - t0)
-                if stats.batch_positions >= budget:
+                # One position per decoding stream; more is a chunk of the prompt. The last,
+                # shorter chunk attends over the longest context: often the dearest.
+                if stats.batch_positions > stats.batch_sessions:
                     chunk_rounds.append(stats.verify_time_us / 1e6)
-    assert len(chunk_rounds) >= 1500 // budget - 1  # the prompt went in chunks, beside the rounds
+    assert len(chunk_rounds) >= 4 * (1500 // budget)  # the prompt went in chunks, beside each stream's rounds
     bound = max(chunk_rounds) + statistics.median(before)
     p99 = float(np.percentile(during, 99))
     print(f"inter-token p99 while prefilling {p99 * 1e3:.1f} ms, bound {bound * 1e3:.1f} ms (chunk {budget})")

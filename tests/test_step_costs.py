@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from specdec.costs import batch_forward_seconds
+from specdec.costs import batch_forward_seconds, context_ratios
 from specdec.runtime import CausalLM, ModelSpec
 from verify_service.step_costs import MIN_DRAFT_SAMPLES, ContextCost, ServedStepCosts
 
@@ -68,19 +68,33 @@ def test_the_draft_line_is_fitted_from_batched_steps() -> None:
     for i, (steps, proposed) in enumerate(samples):
         assert (costs.draft_line() is None) == (i < MIN_DRAFT_SAMPLES)
         costs.observe_draft(steps, proposed, call + fixed * steps + per * proposed)
-    assert costs.draft_line() == pytest.approx((call, fixed, per), abs=1e-12)
+    assert costs.draft_line() == pytest.approx((call, fixed + per, per), abs=1e-12)
 
 
 def test_where_all_three_draft_terms_do_not_fit_the_pair_that_fits_best_is_taken() -> None:
-    """Waits that fall a little with K (the batched steps got cheaper as they filled) fit
-    a negative step cost; of the pairs left, a call and a cost per session fit them, not
-    the call and step cost that an order of preference would pick first."""
+    """Waits whose call fits a little negative: of the pairs left, the steps and the
+    sessions fit them, not the call and the steps that an order of preference would pick first."""
     costs = ServedStepCosts(GRID)
     samples = [(2, 8), (4, 10), (3, 24), (6, 30), (8, 16), (5, 40)]  # (K, Σk)
     for steps, proposed in samples:
-        costs.observe_draft(steps, proposed, 1e-3 + 0.2e-3 * proposed - 0.05e-3 * steps)
-    call, step, per = costs.draft_line()
-    assert step == 0.0 and call == pytest.approx(0.82e-3, rel=0.01) and per == pytest.approx(0.1975e-3, rel=0.01)
+        costs.observe_draft(steps, proposed, -0.1e-3 + 1.2e-3 * steps + 0.3e-3 * (proposed - steps))
+    call, first, further = costs.draft_line()
+    assert call == 0.0 and first == pytest.approx(1.2e-3, rel=0.05) and further == pytest.approx(0.3e-3, rel=0.05)
+
+
+def test_a_draft_dear_in_company_prices_every_session_at_once() -> None:
+    """Steps of one session, cheap, then one step of six sessions that saturate the draft:
+    the line moves from that one step on, and the chooser, whose per-step part is never
+    negative, prices a first session of a step cheaper than each further one as a further one."""
+    costs = ServedStepCosts(GRID)
+    call, first, further = 1e-3, 1.3e-3, 8e-3
+    for steps in (2, 4, 3, 5, 9, 6):
+        costs.observe_draft(steps, steps, call + first * steps)
+    assert costs.draft_line() == pytest.approx((call, first, 0.0), abs=1e-12)
+    costs.observe_draft(10, 60, call + (first + 5 * further) * 10)
+    assert costs.draft_line() == pytest.approx((call, first, further), abs=1e-12)
+    step = costs.step_costs(4, k_max=4)
+    assert (step.draft_call, step.draft_fixed, step.draft_per_session) == pytest.approx((call, 0.0, further))
 
 
 def test_one_session_per_draft_step_fits_a_call_and_a_step() -> None:
@@ -138,3 +152,17 @@ def test_a_context_the_pool_cannot_hold_calibrates_nothing(toy) -> None:
     model = CausalLM.load(replace(ModelSpec(str(toy.target)), pool_tokens=32))
     assert batch_forward_seconds(model, sessions=(1, 2), per_session=(1, 3), context=64, repeats=1) == {}
     assert model.pool_stats().reserved_tokens == 0
+
+
+def test_a_longer_context_is_timed_beside_the_shorter_in_sessions_the_pool_holds_at_both(toy) -> None:
+    """Five slots hold two sessions at both contexts at once (a fifth slot alone times
+    nothing): the ratios are of one session and of two, each a forward behind 120 cached
+    tokens over the same forward behind 8; a pool holding no longer context times nothing."""
+    model = CausalLM.load(replace(ModelSpec(str(toy.target)), pool_contexts=5, pool_slots=True))
+    slower = context_ratios(model, 16, per_session=(1, 3), short=8, longer=120, repeats=2)
+    assert set(slower) == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert all(ratio > 0 for ratio in slower.values())
+    assert model.pool_stats().reserved_tokens == 0  # nothing left behind
+    small = CausalLM.load(replace(ModelSpec(str(toy.target)), pool_tokens=64))
+    assert context_ratios(small, 4, per_session=(1, 3), short=8, longer=120, repeats=1) == {}
+    assert small.pool_stats().reserved_tokens == 0

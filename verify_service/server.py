@@ -10,7 +10,13 @@ import grpc
 import torch
 
 from specdec import defaults
-from specdec.costs import CALIBRATION_CONTEXT, batch_forward_seconds, calibration_context, forward_seconds
+from specdec.costs import (
+    CALIBRATION_CONTEXT,
+    batch_forward_seconds,
+    calibration_context,
+    context_ratios,
+    forward_seconds,
+)
 from specdec.errors import ServiceError
 from specdec.facts import kv_pool_info, peer_facts
 from specdec.fingerprint import load_fingerprint
@@ -29,7 +35,7 @@ from verify_service.auto_mode import AutoPolicy, ServiceAuto, parse_table
 from verify_service.decoder import DecodeLimits, Decoder, session_kv_budget
 from verify_service.draft_client import DraftClient, DraftDeadlines, DraftLost
 from verify_service.round_telemetry import Instruments
-from verify_service.step_costs import ContextCost
+from verify_service.step_costs import ContextCost, ServedStepCosts
 from verify_service.verifier import Verifier
 
 
@@ -231,12 +237,14 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     each = [p for p in (1, 2, 3, 5, 9, 17) if p <= policy.k_max + 1]
     short = calibration_context(model, CALIBRATION_CONTEXT, each)
     batch_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions, each, short, repeats=3))
-    # The context's cost from the two smallest session counts at one and five positions, at
-    # a context four times longer: attention's share grows with sessions, rows and context
-    # (two counts tell the per-session part from the per-row one; more only lengthen startup).
-    longer, shapes = calibration_context(model, 4 * CALIBRATION_CONTEXT, each), [p for p in (1, 5) if p in each]
-    longer_s = decoder.loop.call(lambda: batch_forward_seconds(model, sessions[:2], shapes, longer, repeats=3))
-    context = ContextCost.fitted(short, batch_s, longer, longer_s)
+    # The context's cost from one session and the most the pool holds, at the fewest and most
+    # positions, each timed behind a context four times longer right after the same forward
+    # behind the calibration's: attention's share grows with sessions, rows and context.
+    longer, shapes = calibration_context(model, 4 * CALIBRATION_CONTEXT, each), sorted({each[0], each[-1]})
+    slower = decoder.loop.call(lambda: context_ratios(model, sessions[-1], shapes, short, longer, repeats=5))
+    grid = ServedStepCosts(batch_s) if batch_s else None
+    base = {} if grid is None else {(s, p): grid.forward(s, s * p) for s, p in slower}
+    context = ContextCost.fitted(short, base, longer, {shape: base[shape] * slower[shape] for shape in base})
     auto.calibrate(forward_s, batch_s, context)
     log.info(
         "measured the target's forward for AUTO mode in %.2f s: over 1..%d positions (ms: %s); "

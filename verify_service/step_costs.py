@@ -1,10 +1,12 @@
 """A batched step's costs as this service serves them, for AUTO's batch chooser
 (specdec.batch_gain): the target forward's seconds by sessions, rows and context, from a
-calibration at startup (specdec.costs.batch_forward_seconds, at two context lengths) scaled
-by how much slower served forwards run than it predicts; the draft's batched steps as a
-fixed cost plus one per session, fitted to what the step's proposals took; and the rest of
-a step (RPC, Python), measured. Medians and fits over recent steps only, so the costs
-follow load as it moves. Used from the round loop's thread only."""
+calibration at startup (specdec.costs.batch_forward_seconds, and context_ratios for a
+longer context) scaled by how much slower served forwards run than it predicts; the
+draft's as a call plus, for each batched draft step, a first session and each further
+one, fitted to what the steps' proposals took; and the rest of a step (RPC, Python),
+measured. Medians and fits over recent steps only, so the costs follow load as it moves.
+Observed from the round loop's thread; read from it and, for AUTO's opening (the draft's
+call), from a request's thread, which reads copies of the samples."""
 
 from __future__ import annotations
 
@@ -127,10 +129,11 @@ class ServedStepCosts:
         """A step's rest at `sessions` rounds: a fixed part plus one per round (committing,
         the spans, the hand-over), by least squares where recent steps had different counts
         and neither part fits negative; else their median."""
-        if not self._rest:
+        samples = list(self._rest)  # a copy: AUTO's opening asks from the request's thread
+        if not samples:
             return 0.0
-        x = np.array([(1.0, n) for n, _ in self._rest])
-        y = np.array([seconds for _, seconds in self._rest])
+        x = np.array([(1.0, n) for n, _ in samples])
+        y = np.array([seconds for _, seconds in samples])
         if np.linalg.matrix_rank(x) == 2:
             (fixed, per), *_ = np.linalg.lstsq(x, y, rcond=None)
             if fixed >= 0 and per >= 0:
@@ -138,15 +141,18 @@ class ServedStepCosts:
         return float(np.median(y))
 
     def draft_line(self) -> tuple[float, float, float] | None:
-        """(seconds per call, per batched draft step, per session in a step) by least
-        squares over recent steps: the fullest set of these terms that the samples tell
-        apart (not when every step had one session, Σk = K; not when every K was the same)
-        and that fits none negative (of two terms, the pair with the least residual); None
-        until MIN_DRAFT_SAMPLES steps. Failing all, a draft step costs the median of wait / K."""
-        if len(self._draft) < MIN_DRAFT_SAMPLES:
+        """(seconds per call, per batched draft step of one session, per further session in
+        a step): a call plus, for each of the K steps, its first session's cost plus one per
+        further session, by least squares over recent steps: the fullest set of these terms
+        that the samples tell apart (not when every step had one session, Σk = K; not when
+        every K was the same) and that fits none negative (of two terms, the pair with the
+        least residual); None until MIN_DRAFT_SAMPLES steps. Failing all, a draft step
+        costs the median of wait / K."""
+        samples = list(self._draft)  # a copy: AUTO's opening asks from the request's thread
+        if len(samples) < MIN_DRAFT_SAMPLES:
             return None
-        x = np.array([(1.0, k, total) for k, total, _ in self._draft])
-        y = np.array([seconds for *_, seconds in self._draft])
+        x = np.array([(1.0, k, total - k) for k, total, _ in samples])
+        y = np.array([seconds for *_, seconds in samples])
         for size in (3, 2):  # all three terms where they fit; else the pair that fits the samples best
             fits = []
             for terms in combinations(range(3), size):
@@ -159,7 +165,7 @@ class ServedStepCosts:
             if fits:
                 fitted = min(fits, key=lambda fit: fit[0])[1]
                 return fitted.get(0, 0.0), fitted.get(1, 0.0), fitted.get(2, 0.0)
-        return 0.0, statistics.median(seconds / k for k, _, seconds in self._draft), 0.0
+        return 0.0, statistics.median(seconds / k for k, _, seconds in samples), 0.0
 
     def step_costs(
         self, sessions: int, k_max: int, other_rows: int = 0, context: float | None = None
@@ -173,5 +179,9 @@ class ServedStepCosts:
         rows = np.arange(sessions, sessions * (k_max + 1) + 1)
         seconds = self._predicted(sessions, (rows + other_rows).astype(float), context) * self._served_scale()
         points = tuple(zip(rows.tolist(), seconds.tolist()))
-        call, fixed, per = line
-        return StepCosts(points, draft_call=call, draft_fixed=fixed, draft_per_session=per, rest=self.rest(sessions))
+        call, first, further = line
+        # A first session cheaper than a further one (a device one session leaves idle and a
+        # few saturate) is priced as a further one: the chooser's per-step part is never
+        # negative, so it errs towards a smaller k.
+        fixed, rest = max(0.0, first - further), self.rest(sessions)
+        return StepCosts(points, draft_call=call, draft_fixed=fixed, draft_per_session=further, rest=rest)
