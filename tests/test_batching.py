@@ -123,7 +123,9 @@ def test_a_long_prompt_prefills_in_chunks_beside_the_decoding_streams(default_pa
     bound = max(chunk_rounds) + statistics.median(before)
     p99 = float(np.percentile(during, 99))
     print(f"inter-token p99 while prefilling {p99 * 1e3:.1f} ms, bound {bound * 1e3:.1f} ms (chunk {budget})")
-    assert p99 <= bound * 1.25  # scheduling noise of four streams on two cores
+    # Scheduling noise of four streams and their client on two cores: up to 1.3x measured. A
+    # prompt prefilled in one forward would leave a gap of first_token_s, over twice the bound.
+    assert p99 <= bound * 1.5
     assert long.first_token_s > 2 * bound  # the prefill took many rounds: the bound is not vacuous
 
 
