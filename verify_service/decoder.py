@@ -93,7 +93,10 @@ class Decoder:
         self.lookahead = max(MAX_DRAFT_TOKENS, auto.policy.k_max) + 1  # a proposal's positions past the output
         self.admission: Admission[KVCache] = Admission(limits.admission, self._reserve, self._pool_tokens)
         telemetry = RoundTelemetry(instruments, auto)
-        self.loop = RoundLoop(verifier, draft, auto, telemetry, limits.prefill_chunk_tokens, self._retired, log)
+        self.loop = RoundLoop(
+            verifier, draft, auto, telemetry, limits.prefill_chunk_tokens, self._retired, log,
+            admitted=lambda: self.admission.active,
+        )  # fmt: skip
         self._finished: deque[Finished] = deque(maxlen=RECENT_CAPACITY)
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()

@@ -61,7 +61,9 @@ class RoundLoop:
         prefill_chunk: int,
         retired: Callable[[Request], None],
         log: logging.Logger,
+        admitted: Callable[[], int],
     ) -> None:
+        """admitted: how many requests the service holds now (opening, prefilling or decoding)."""
         self._verifier = verifier
         self._draft = draft
         self._link = ProposalLink(draft) if draft is not None else None
@@ -69,6 +71,7 @@ class RoundLoop:
         self._telemetry = telemetry
         self._prefill_chunk = prefill_chunk
         self._retired = retired  # frees what the request held outside the loop (its admission)
+        self._admitted = admitted
         self._log = log
         self._eos = verifier.model.eos_token_ids
         self.totals = Totals()
@@ -455,8 +458,12 @@ class RoundLoop:
             self._auto.observe_first_round(stats.draft_tokens, stats.draft_time_us / 1e6, request.plan.params.greedy)
         if self._steady(request):
             period = time.perf_counter() - request.round_start
+            # Alone: the only request in the service. A round alone in its step while others
+            # open their draft sessions or prefill waits on their work too, and measured so
+            # under load it priced a k = 4 round at 5 target-only rounds and paused sessions.
+            alone = stats.batch_sessions == 1 and self._admitted() == 1
             self._auto.observe(
-                request.plan.params.greedy, stats.batch_sessions == 1, stats.draft_tokens,
+                request.plan.params.greedy, alone, stats.draft_tokens,
                 stats.draft_time_us / 1e6, stats.verify_time_us / 1e6, period,
             )  # fmt: skip
 

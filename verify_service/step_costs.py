@@ -146,7 +146,8 @@ class ServedStepCosts:
         further session, by least squares over recent steps: the fullest set of these terms
         that the samples tell apart (not when every step had one session, Σk = K; not when
         every K was the same) and that fits none negative (of two terms, the pair with the
-        least residual); None until MIN_DRAFT_SAMPLES steps. Failing all, a draft step
+        least residual among those with the first session's); None until MIN_DRAFT_SAMPLES
+        steps. Failing all, a draft step
         costs the median of wait / K."""
         samples = list(self._draft)  # a copy: AUTO's opening asks from the request's thread
         if len(samples) < MIN_DRAFT_SAMPLES:
@@ -155,7 +156,9 @@ class ServedStepCosts:
         y = np.array([seconds for *_, seconds in samples])
         for size in (3, 2):  # all three terms where they fit; else the pair that fits the samples best
             fits = []
-            for terms in combinations(range(3), size):
+            # Every pair prices a step's first session: a draft step is never free, and a line
+            # without that term would let the chooser deepen one session's k at no cost.
+            for terms in (t for t in combinations(range(3), size) if 1 in t):
                 if np.linalg.matrix_rank(x[:, terms]) < size:
                     continue
                 coef, *_ = np.linalg.lstsq(x[:, terms], y, rcond=None)
