@@ -147,8 +147,7 @@ class ServedStepCosts:
         that the samples tell apart (not when every step had one session, Σk = K; not when
         every K was the same) and that fits none negative (of two terms, the pair with the
         least residual among those with the first session's); None until MIN_DRAFT_SAMPLES
-        steps. Failing all, a draft step
-        costs the median of wait / K."""
+        steps. Failing all, a draft step costs the median of wait / K."""
         samples = list(self._draft)  # a copy: AUTO's opening asks from the request's thread
         if len(samples) < MIN_DRAFT_SAMPLES:
             return None
