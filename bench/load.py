@@ -71,6 +71,10 @@ class Streamed:
     ttft_s: float | None  # until the first message with tokens
     gaps_s: list[float]  # one per token after the first message's: a message of n tokens is n equal gaps
     usage: common_pb2.Usage | None  # from the final message
+    choices: Counter[str] = field(default_factory=Counter)  # rounds by how AUTO chose their k ("BEST_K", ...)
+
+
+CHOICE_NAMES = {v: k.removeprefix("AUTO_CHOICE_") for k, v in common_pb2.AutoChoice.items()}
 
 
 def timed_stream(stub, req: generation_pb2.GenerateRequest) -> Streamed:
@@ -86,6 +90,8 @@ def timed_stream(stub, req: generation_pb2.GenerateRequest) -> Streamed:
         if n:
             last = now
         streamed.token_ids += message.token_ids
+        if message.round.auto_choice:
+            streamed.choices[CHOICE_NAMES[message.round.auto_choice]] += 1
         if message.finish_reason:
             streamed.usage = message.usage
     return streamed

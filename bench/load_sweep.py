@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -104,6 +105,7 @@ class Point:
     request_itl_s: list[float] = field(default_factory=list)  # each request's mean gap (AIPerf's inter-token latency)
     outputs: list[tuple[int, list[int]]] = field(default_factory=list)  # (prompt index, tokens)
     errors: dict[str, int] = field(default_factory=dict)
+    choices: Counter[str] = field(default_factory=Counter)  # AUTO's rounds by how it chose their k
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -130,6 +132,7 @@ def _one(stub, req: generation_pb2.GenerateRequest, index: int, point: Point) ->
         point.requests += 1
         point.tokens += len(streamed.token_ids)
         point.outputs.append((index, streamed.token_ids))
+        point.choices.update(streamed.choices)
         point.itl_s += gaps
         if ttft is not None:  # a request's TTFT and its inter-token p99 stay paired for the objective
             point.ttft_s.append(ttft)
@@ -203,7 +206,13 @@ def summarise(point: Point, wall_s: float, references: dict[int, list[int]], con
         "slo_met": round(met / point.requests, 3) if point.requests else 0.0,
         "differ_from_target_only": mismatched,
         "errors": point.errors,
+        "auto_choices": _shares(point.choices),
     }
+
+
+def _shares(counts: Counter[str]) -> dict[str, float]:
+    total = sum(counts.values())
+    return {name: round(n / total, 3) for name, n in counts.most_common()} if total else {}
 
 
 def start_stacks(config: SweepConfig, workdir: Path) -> dict[str, Stack]:
@@ -324,6 +333,11 @@ def points(runs: list[dict]) -> list[dict]:
                 "slo_met": statistics.median(r["slo_met"] for r in rs),
                 "differ_from_target_only": sum(r["differ_from_target_only"] for r in rs),
             }
+            if policy == "auto":  # AUTO's rounds by choice over the repeats, the runs weighing alike
+                choices = Counter()
+                for r in rs:
+                    choices.update(r.get("auto_choices", {}))
+                row["policies"][policy]["auto_choices"] = {k: round(v / len(rs), 3) for k, v in choices.most_common()}
         if "auto" in by_policy:
             fixed = [p for p in FIXED if p in by_policy]
             auto = by_policy["auto"]
@@ -373,6 +387,16 @@ def markdown(result: dict) -> str:
             cells = [form.format(p["policies"][q][key]) if q in p["policies"] else "" for q in policies]
             tail = f" | {p.get('auto_over_best_fixed', '')} | {p.get('auto_over_table', '')} |" if ratios else " |"
             lines.append(f"| {p['temperature']:g} | {p['level']:g} | " + " | ".join(cells) + tail)
+        lines.append("")
+    chosen = [
+        p for p in result["points"] if p["loop"] == "closed" and p["policies"].get("auto", {}).get("auto_choices")
+    ]  # fmt: skip
+    if chosen:
+        lines += ["## closed loop: AUTO's rounds by how it chose their k (shares)", ""]
+        lines += ["| T | streams | rounds |", "|---|---|---|"]
+        for p in chosen:
+            shares = ", ".join(f"{name} {share:.2f}" for name, share in p["policies"]["auto"]["auto_choices"].items())
+            lines.append(f"| {p['temperature']:g} | {p['level']:g} | {shares} |")
         lines.append("")
     mismatched = result.get("mismatched_draft", {}).get("points", [])
     if mismatched:

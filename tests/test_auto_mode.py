@@ -331,11 +331,37 @@ def test_whether_a_request_opens_its_draft_is_priced_from_what_opening_costs_as_
     for _ in range(10):
         service.observe_opening(0.001)
     assert service.opening(below, greedy=True).pays
-    # Where no k gains at the service's α̂, opening is left to the session's own rounds
-    # (a pause after a probe): declining here would keep the service's α̂ from ever recovering.
+    # Where no k gains at the service's α̂, one request in eight opens, its own rounds (a
+    # pause after a probe) measuring α̂ again: declining all would keep it from recovering.
     for _ in range(2000):
         service.observe_alpha(True, 0, True)
-    assert service.opening(3, greedy=True).pays
+    openings = [service.opening(64, greedy=True) for _ in range(16)]
+    assert [o.pays for o in openings] == [True, *[False] * 7] * 2
+    assert {o.reason for o in openings if not o.pays} == {common_pb2.TARGET_ONLY_REASON_AUTO_NOT_OPENED}
+
+
+def test_under_load_a_request_opens_its_draft_only_where_the_batch_gains():
+    """Alone the draft pays; with 16 requests the forward is compute-bound (each row costs
+    as much as a session's token), so no k gains at any α̂: one request in eight opens a
+    draft (its rounds measure α̂), the others run target-only without one."""
+    service = ServiceAuto(AutoPolicy(), calibration())
+    batch = {(1, 1): 0.007, (1, 4): 0.0075, (1, 16): 0.009, (16, 1): 0.032, (16, 4): 0.128, (16, 16): 0.512}
+    service.calibrate(calibration(), batch)
+    costs_measured(service.greedy)
+    for steps in (2, 4, 3):
+        service.step_costs.observe_draft(steps, steps, 1e-3 * steps)
+    for _ in range(100):
+        service.observe_alpha(True, 4, False)
+    for _ in range(3):
+        service.observe_opening(0.002)
+    assert all(service.opening(64, greedy=True, in_service=n).pays for n in (1, 2, 1, 2))
+    loaded = [service.opening(64, greedy=True, in_service=16) for _ in range(9)]
+    assert [o.pays for o in loaded] == [True, *[False] * 7, True]
+    assert loaded[1].reason == common_pb2.TARGET_ONLY_REASON_AUTO_NOT_OPENED
+    assert "with 16 requests in service" in loaded[1].detail
+    # No sampled session speculated yet: its kind's α̂ is the policy's guess, and every one opens.
+    sampled = [service.opening(64, greedy=False, in_service=16) for _ in range(9)]
+    assert all(o.pays and "not measured yet" in o.detail for o in sampled)
 
 
 def test_the_services_prior_is_kept_apart_for_greedy_and_sampled_sessions():
@@ -479,20 +505,26 @@ def test_a_session_held_at_k_0_by_load_resumes_speculating_without_a_probe_when_
 @pytest.mark.parametrize("in_flight", [1, 16])
 def test_seeded_sampled_auto_requests_equal_their_target_only_output_at_any_load(shared_stack, in_flight):
     """The shared-noise coupling holds while AUTO changes k from round to round and the
-    batch chooser from step to step."""
+    batch chooser from step to step, beside requests that fix their own k (under load AUTO
+    may open no draft for this toy pair, and the fixed ones keep the batch speculating)."""
 
     def sampled(i: int, mode: common_pb2.SpeculationMode):
         req = request(STREAMS[i], max_new_tokens=48, temperature=0.8, top_p=0.95, seed=500 + i)
         req.speculation.mode = mode
+        if mode == common_pb2.SPECULATION_MODE_ON:
+            req.speculation.num_draft_tokens = 2 + i % 5
         return req
+
+    def mode(i: int) -> common_pb2.SpeculationMode:
+        return common_pb2.SPECULATION_MODE_ON if i % 2 else common_pb2.SPECULATION_MODE_AUTO
 
     references = [run(shared_stack, sampled(i, common_pb2.SPECULATION_MODE_OFF)).token_ids for i in range(in_flight)]
     with ThreadPoolExecutor(in_flight) as pool:
-        auto = list(pool.map(lambda i: run(shared_stack, sampled(i, common_pb2.SPECULATION_MODE_AUTO)), range(in_flight)))
-    assert [c.token_ids for c in auto] == references
-    ks = {m.round.draft_tokens for c in auto for m in c.messages[:-1]}
+        served = list(pool.map(lambda i: run(shared_stack, sampled(i, mode(i))), range(in_flight)))
+    assert [c.token_ids for c in served] == references
+    ks = {m.round.draft_tokens for c in served for m in c.messages[:-1]}
     assert len(ks) > 1  # k moved between rounds
-    assert max(m.round.batch_sessions for c in auto for m in c.messages) >= min(in_flight, 8)
+    assert max(m.round.batch_sessions for c in served for m in c.messages) >= min(in_flight, 8)
 
 
 def test_the_default_mode_is_auto_and_a_fixed_k_means_on(far_stack):

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.benchmark import BenchConfig, run_bench
+from bench.load import CHOICE_NAMES
 from bench.load_sweep import POLICIES, SweepConfig, run_sweep, write
 from bench.report import AUTO, TARGET_ONLY
 
@@ -126,6 +127,10 @@ def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_o
             assert measured["itl_p99_ms"] > 0 and measured["request_itl_p99_ms"] > 0
             assert measured["differ_from_target_only"] == 0
         assert point["auto_over_best_fixed"] > 0 and point["auto_over_table"] > 0
+        # AUTO's rounds by how it chose their k, shares summing to one; fixed schedules choose nothing
+        shares = point["policies"]["auto"]["auto_choices"]
+        assert shares and set(shares) <= set(CHOICE_NAMES.values()) and sum(shares.values()) == pytest.approx(1, abs=0.01)
+        assert all(not r["auto_choices"] for r in result["runs"] if r["policy"] in ("k=4", "target-only"))
     # Every completed request was checked against its prompt's target-only output.
     assert sum(r["requests"] for r in result["runs"]) > len(result["runs"])
     # The mismatched draft: AUTO against target-only, every output checked too.
@@ -137,4 +142,5 @@ def test_quick_load_sweep_reports_every_policy_at_every_point_and_checks_every_o
     table = (tmp_path / "load.md").read_text()
     assert "| T | streams | auto | table | k=2 | k=4 | k=8 | target-only | auto / best fixed | auto / table |" in table
     assert "| T | streams | auto | target-only | auto / target-only |" in table
+    assert "## closed loop: AUTO's rounds by how it chose their k (shares)" in table
     assert "All completions equal target-only's." in table

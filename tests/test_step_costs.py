@@ -137,6 +137,33 @@ def test_a_steps_rest_is_a_fixed_part_plus_one_per_round() -> None:
     assert one_size.rest(1) == one_size.rest(16) == pytest.approx(4e-3)
 
 
+def test_the_draft_is_charged_what_it_adds_to_the_rest_of_a_step() -> None:
+    """The draft computes a step's proposals while the step before hands its chunks over;
+    on few cores it slows that, and the wait for the proposals alone misses it. Target-only
+    steps' rests are the base; a speculative step's rest beyond them is the draft's."""
+    costs, waits_only = ServedStepCosts(GRID), ServedStepCosts(GRID)
+    call, per_step, slowed = 5e-3, 0.2e-3, 0.4e-3  # the rest runs slower by 0.4 ms per draft step
+
+    def rest(sessions: int) -> float:
+        return 1e-3 + 0.1e-3 * sessions
+
+    for sessions in (4, 8, 16, 8):
+        costs.observe_overhead(sessions, rest(sessions))
+    for steps, sessions in ((2, 8), (5, 16), (3, 4), (8, 16), (4, 8)):
+        wait = call + per_step * steps
+        costs.observe_overhead(sessions, rest(sessions) + slowed * steps, steps, steps, wait)
+        waits_only.observe_draft(steps, steps, wait)
+    assert costs.draft_line() == pytest.approx((call, per_step + slowed, 0.0), abs=1e-9)
+    assert waits_only.draft_line() == pytest.approx((call, per_step, 0.0), abs=1e-9)
+    # The rest the chooser adds to every step is a target-only step's, the draft's part aside.
+    assert costs.rest(8) == pytest.approx(rest(8))
+    # Until target-only steps were measured, every step's rest stands for it, the wait for the draft.
+    fresh = ServedStepCosts(GRID)
+    for steps, sessions in ((2, 8), (5, 16), (3, 4)):
+        fresh.observe_overhead(sessions, rest(sessions) + slowed * steps, steps, steps, call + per_step * steps)
+    assert fresh.draft_line() == pytest.approx((call, per_step, 0.0), abs=1e-9) and fresh.rest(8) > rest(8)
+
+
 def test_batch_forwards_are_calibrated_for_the_session_counts_the_pool_holds(toy) -> None:
     model = CausalLM.load(replace(ModelSpec(str(toy.target)), pool_contexts=3, pool_slots=True))
     forwards = model.forwards

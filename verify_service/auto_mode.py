@@ -31,7 +31,8 @@ its max_new_tokens N at the gain g expected at the service's α̂ save (N − 1)
 seconds (its last round is target-only: nothing is left to propose past it),
 against what opening costs as served: the draft's prefill (the seconds the draft reports)
 and its first round's wait beyond a steady round's. A request whose saving is smaller runs
-target-only and never contacts the draft.
+target-only and never contacts the draft. With other requests in service, g and T0 are the
+batch's at that load; while no k gains, one request in measure_every opens, to measure α̂.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specdec.batch_gain import choose_ks, goodput
 from specdec.defaults import NUM_DRAFT_TOKENS
 from specdec.speculation_gain import best_k
 from specdec.v1 import common_pb2
@@ -85,6 +87,10 @@ class AutoPolicy:
     probe_k: int = 2  # k of a probe round (and of rounds before the draft's cost is known)
     first_pause_tokens: int = 32  # target-only tokens before the first probe
     max_pause_tokens: int = 256
+    # While no k gains when a request arrives, one request of its kind in this many opens a
+    # draft anyway, its probes measuring the service's α̂ again; the others run target-only
+    # without one (each opening costs a draft prefill and probes beside the target).
+    measure_every: int = 8
     decay: float = 0.95  # per round, of a session's acceptance counts
     prior_alpha: float = 0.6  # the service's α̂ before any round
     prior_weight: float = 8.0  # the service's α̂'s worth, in positions, in a session's
@@ -118,6 +124,9 @@ class Opening:
 
     pays: bool
     detail: str  # the figures the decision took, as a sentence
+    # Why it does not open: the output is too short for the saving to pay the opening,
+    # or no k gains now and it is not the one request in measure_every that measures α̂.
+    reason: int = common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
 
 
 @dataclass(frozen=True)
@@ -272,6 +281,7 @@ class ServiceAuto:
         self._rejected = {True: 0.0, False: 0.0}
         self._draft_prefill = _Window()  # seconds of a draft session's prefill, as the draft reports
         self._first_wait = _Window()  # a first round's wait for its proposal beyond a steady round's
+        self._unopened = {True: 0, False: 0}  # requests by kind that arrived while no k gained
 
     def calibrate(
         self,
@@ -297,6 +307,11 @@ class ServiceAuto:
         with self._lock:
             self._accepted[greedy] = 0.99 * self._accepted[greedy] + accepted
             self._rejected[greedy] = 0.99 * self._rejected[greedy] + rejected
+
+    def alpha_measured(self, greedy: bool) -> bool:
+        """Whether a speculative round of a greedy or sampled session ran yet."""
+        with self._lock:
+            return self._accepted[greedy] + self._rejected[greedy] > 0
 
     def prior_alpha(self, greedy: bool) -> float:
         """The service's α̂ for a greedy or sampled session; the policy's until one ran."""
@@ -355,11 +370,15 @@ class ServiceAuto:
             with self._lock:
                 self._first_wait.add(max(0.0, draft_wait_s - steady))
 
-    def opening(self, max_new_tokens: int, greedy: bool) -> Opening:
+    def opening(self, max_new_tokens: int, greedy: bool, in_service: int = 1) -> Opening:
         """Whether a request of max_new_tokens opens a draft session: the saving expected
-        over its output at the service's α̂ against the opening's measured cost. Until both
-        are measured, and while no k is expected to gain (only sessions that speculate tell
-        the service's α̂ that the draft recovered; their own pause bounds the loss), it opens."""
+        over its output at the service's α̂ against the opening's measured cost, with
+        `in_service` requests in the service (this one too). Under load the gain is the
+        batch's: a step of that many sessions at the service's α̂ (batch chooser) against
+        the same step target-only. Until the costs and the service's α̂ of its kind are
+        measured it opens. While no k is expected to gain, one request of its kind in
+        policy.measure_every opens: only sessions that speculate tell the service's α̂ that
+        the draft recovered (their own pause bounds the loss)."""
         if max_new_tokens <= 1:
             return Opening(False, "one token is one target-only round: there is nothing to propose")
         lone = self.lone(greedy)
@@ -368,17 +387,41 @@ class ServiceAuto:
             cost = self._draft_prefill.median(0.0) + self._first_wait.median(0.0)
         if lone is None or not measured:
             return Opening(True, "the opening's cost is not measured yet")
+        if not self.alpha_measured(greedy):
+            return Opening(True, f"the service's α̂ of {'greedy' if greedy else 'sampled'} requests is not measured yet")
         c, v, token_s = lone
         alpha = self.prior_alpha(greedy)
         _, gain = best_k(alpha, c, v, self.policy.k_max)
+        load = ""
+        if in_service > 1 and gain > 1.0 and (loaded := self._loaded_gain(alpha, in_service)) is not None:
+            gain, token_s = loaded
+            load = f" with {in_service} requests in service"
         if gain <= 1.0:
-            return Opening(True, f"no k gains at the service's α̂ {alpha:.2f}: the session's own rounds judge it")
+            with self._lock:
+                measures = self._unopened[greedy] % self.policy.measure_every == 0
+                self._unopened[greedy] += 1
+            every = f"one request in {self.policy.measure_every} opens a draft to measure it"
+            if measures:
+                return Opening(True, f"no k gains at the service's α̂ {alpha:.2f}{load}, and {every}: this one")
+            reason = common_pb2.TARGET_ONLY_REASON_AUTO_NOT_OPENED
+            return Opening(False, f"no k gains at the service's α̂ {alpha:.2f}{load}, and {every}", reason)
         saving = (max_new_tokens - 1) * token_s * (1.0 - 1.0 / gain)
         sentence = (
-            f"{max_new_tokens} tokens at {gain:.2f}x (α̂ {alpha:.2f}) would save {saving * 1e3:.1f} ms against "
-            f"{cost * 1e3:.1f} ms to open the draft (its prefill and first round)"
+            f"{max_new_tokens} tokens at {gain:.2f}x (α̂ {alpha:.2f}{load}) would save {saving * 1e3:.1f} ms "
+            f"against {cost * 1e3:.1f} ms to open the draft (its prefill and first round)"
         )
         return Opening(saving > cost, sentence)
+
+    def _loaded_gain(self, alpha: float, sessions: int) -> tuple[float, float] | None:
+        """(the gain, a target-only step's seconds) of a step of `sessions` sessions, every one
+        at α̂ `alpha`, k chosen by the batch chooser; None until the step's costs are known."""
+        step = None if self.step_costs is None else self.step_costs.step_costs(sessions, self.policy.k_max)
+        if step is None:
+            return None
+        alphas = [alpha] * sessions
+        _, speculating = choose_ks(alphas, step, self.policy.k_max)
+        target_only = goodput(alphas, [0] * sessions, step)
+        return speculating / target_only, step.step([0] * sessions)
 
     def session(self, greedy: bool) -> AutoSession:
         return AutoSession(self.policy, lambda: self.ratios(greedy), lambda: self.prior_alpha(greedy))

@@ -37,7 +37,11 @@ from verify_service.verifier import Verifier
 
 DEFAULT_RECENT = 100
 # Reasons a request never asked for its draft (the others tried: the pairing shows why it failed).
-NO_DRAFT_WANTED = (common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT)
+NO_DRAFT_WANTED = (
+    common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST,
+    common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT,
+    common_pb2.TARGET_ONLY_REASON_AUTO_NOT_OPENED,
+)
 
 
 @dataclass(frozen=True)
@@ -303,10 +307,11 @@ class Decoder:
                 common_pb2.TARGET_ONLY_REASON_OFF_BY_REQUEST, "speculation is off for this request"
             )
         if plan.mode == AUTO:
-            opening = self._auto.opening(plan.max_new_tokens, plan.params.greedy)
+            opening = self._auto.opening(plan.max_new_tokens, plan.params.greedy, self.admission.active)
             if not opening.pays:
-                detail = f"AUTO: too short for speculation to pay: {opening.detail}"
-                return None, target_only(common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT, detail)
+                short = opening.reason == common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
+                why = "too short for speculation to pay" if short else "no draft opened"
+                return None, target_only(opening.reason, f"AUTO: {why}: {opening.detail}")
         if self._draft is None:
             return None, target_only(common_pb2.TARGET_ONLY_REASON_DRAFT_UNAVAILABLE, "no draft service is configured")
         try:

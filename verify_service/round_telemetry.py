@@ -113,6 +113,8 @@ class RoundTelemetry:
         policy = self._auto.policy
         if turn.how == common_pb2.AUTO_CHOICE_SHORT_OUTPUT:
             return "too short for speculation to pay its draft's opening: target-only, no draft"
+        if turn.how == common_pb2.AUTO_CHOICE_NOT_OPENED:
+            return "no k gained at the α̂ and load it arrived at (another request measures α̂): target-only, no draft"
         if turn.how == common_pb2.AUTO_CHOICE_BEST_K:
             return f"speculating: k={turn.k} has the best expected gain, {turn.gain:.2f}x at α̂ {turn.alpha:.2f}"
         if turn.how == common_pb2.AUTO_CHOICE_LOW_GAIN:

@@ -31,6 +31,12 @@ from verify_service.request_state import MAX_AHEAD, Request, target_only
 from verify_service.round_telemetry import RoundTelemetry
 from verify_service.verifier import NO_DRAFT, DraftProposal, Forwarded, Prefill, Release, Verified, Verifier, Verify
 
+# An AUTO request that opened no draft: its rounds' choice, by why it did not
+NOT_OPENED = {
+    common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT: common_pb2.AUTO_CHOICE_SHORT_OUTPUT,
+    common_pb2.TARGET_ONLY_REASON_AUTO_NOT_OPENED: common_pb2.AUTO_CHOICE_NOT_OPENED,
+}
+
 
 @dataclass
 class Totals:
@@ -243,20 +249,19 @@ class RoundLoop:
                 self._telemetry.end_prefill(request)
 
     def _observe_step(self, proposed: Proposed, forwarded: Forwarded, step_start: float) -> None:
-        """What the step cost, for the batch chooser: its forward by sessions and rows, the
-        draft's batched steps (the largest k, the sum of k) by the wait for them, and the
-        rest of the step before it (from its start to this one's: commits, spans, hand-over)."""
+        """What the step cost, for the batch chooser: its forward by sessions and rows, and
+        what came before it since the step before's forward (commits, spans, hand-over; the
+        draft computing this step's proposals meanwhile) with its wait for them, by the
+        draft's batched steps (the largest k, the sum of k)."""
         costs = self._auto.step_costs
         previous, self._previous_step = self._previous_step, None
         if costs is None or not forwarded.seconds:
             return
         costs.observe_forward(forwarded.sessions, forwarded.positions, forwarded.seconds, forwarded.context)
-        ks = [len(p.ids) for p in proposed.by_session.values()]
-        if ks and max(ks):
-            costs.observe_draft(max(ks), sum(ks), proposed.wait_s)
         if previous is not None:
             start, busy, sessions = previous
-            costs.observe_rest(sessions, step_start - start - busy)
+            ks = [len(p.ids) for p in proposed.by_session.values()] or [0]
+            costs.observe_overhead(sessions, step_start - start - busy, max(ks), sum(ks), proposed.wait_s)
         self._previous_step = (step_start, forwarded.seconds + proposed.wait_s, forwarded.sessions)
 
     def _await_send(self, request: Request) -> None:
@@ -341,8 +346,7 @@ class RoundLoop:
         may emit (so the last round is target-only)."""
         plan = request.plan
         if request.draft is None:
-            short = request.speculation.reason == common_pb2.TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT
-            how = common_pb2.AUTO_CHOICE_SHORT_OUTPUT if short else common_pb2.AUTO_CHOICE_UNSPECIFIED
+            how = NOT_OPENED.get(request.speculation.reason, common_pb2.AUTO_CHOICE_UNSPECIFIED)
             return Choice(0, how, 0.0, 0.0)
         if request.auto is not None:
             scheduled = self._auto.policy.scheduled_k(len(self._active))

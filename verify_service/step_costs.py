@@ -3,10 +3,11 @@
 calibration at startup (specdec.costs.batch_forward_seconds, and context_ratios for a
 longer context) scaled by how much slower served forwards run than it predicts; the
 draft's as a call plus, for each batched draft step, a first session and each further
-one, fitted to what the steps' proposals took; and the rest of a step (RPC, Python),
-measured. Medians and fits over recent steps only, so the costs follow load as it moves.
+one, fitted to what the steps' proposals took (their wait, and what the draft computing
+beside the rest of the step added to it); and the rest of a step (RPC, Python), measured.
+Medians and fits over recent steps only, so the costs follow load as it moves.
 Observed from the round loop's thread; read from it and, for AUTO's opening (the draft's
-call), from a request's thread, which reads copies of the samples."""
+call, a loaded step's costs), from a request's thread, which reads copies of the samples."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class ServedStepCosts:
         self._curves = {s: lower_hull(sorted(points)) for s, points in sorted(curves.items())}
         self._scale: deque[float] = deque(maxlen=WINDOW)  # served forward / predicted
         self._draft: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (K, Σk, seconds)
-        self._rest: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (sessions, seconds)
+        self._rest: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (sessions, seconds) of target-only steps
+        self._rest_any: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # and of every step
 
     def forward(self, sessions: int, rows: int, context: float | None = None) -> float:
         """Predicted seconds of a served forward over `rows` rows of `sessions` sessions
@@ -115,21 +117,49 @@ class ServedStepCosts:
         if predicted > 0:
             self._scale.append(seconds / predicted)
 
+    def observe_overhead(
+        self, sessions: int, rest_s: float, steps: int = 0, proposed: int = 0, wait_s: float = 0.0
+    ) -> None:
+        """What came before a step since the forward of the step before, of `sessions`
+        rounds: `rest_s` (commits, spans, hand-over, planning) and, where the draft ran
+        `steps` batched steps for `proposed` tokens (the largest k, Σk), the wait for them.
+        The draft computes during the rest and, where the cores are few, slows it: its cost
+        is the wait plus what the rest took beyond a target-only step's (once those are
+        measured: on two cores about 0.4 ms per draft step that the wait alone missed)."""
+        self.observe_rest(sessions, rest_s, drafting=steps > 0)
+        if steps > 0:
+            # Unclipped: the rest's noise either way averages out in the draft's line
+            beyond = rest_s - self._rest_at(self._rest, sessions) if self._rest_measured() else 0.0
+            self.observe_draft(steps, proposed, max(0.0, wait_s + beyond))
+
     def observe_draft(self, steps: int, proposed: int, seconds: float) -> None:
         """A step's proposals: the draft ran `steps` batched steps (the largest k) for
-        `proposed` draft tokens in all (Σk) in `seconds`."""
+        `proposed` draft tokens in all (Σk) at a cost of `seconds`."""
         if steps > 0:
             self._draft.append((steps, proposed, seconds))
 
-    def observe_rest(self, sessions: int, seconds: float) -> None:
-        """A step of `sessions` rounds: its time beyond its forward and its wait for proposals."""
-        self._rest.append((sessions, max(0.0, seconds)))
+    def observe_rest(self, sessions: int, seconds: float, drafting: bool = False) -> None:
+        """A step of `sessions` rounds: its time beyond its forward and its wait for
+        proposals; `drafting`: the draft computed meanwhile."""
+        sample = (sessions, max(0.0, seconds))
+        self._rest_any.append(sample)
+        if not drafting:
+            self._rest.append(sample)
+
+    def _rest_measured(self) -> bool:
+        return len(self._rest) >= MIN_DRAFT_SAMPLES
 
     def rest(self, sessions: int) -> float:
-        """A step's rest at `sessions` rounds: a fixed part plus one per round (committing,
-        the spans, the hand-over), by least squares where recent steps had different counts
-        and neither part fits negative; else their median."""
-        samples = list(self._rest)  # a copy: AUTO's opening asks from the request's thread
+        """A step's rest at `sessions` rounds, the draft's part aside: from target-only steps
+        once a few were measured, else from every step."""
+        return self._rest_at(self._rest if self._rest_measured() else self._rest_any, sessions)
+
+    @staticmethod
+    def _rest_at(rests: deque[tuple[int, float]], sessions: int) -> float:
+        """A fixed part plus one per round (committing, the spans, the hand-over), by least
+        squares where the steps had different counts and neither part fits negative; else
+        their median."""
+        samples = list(rests)  # a copy: AUTO's opening asks from the request's thread
         if not samples:
             return 0.0
         x = np.array([(1.0, n) for n, _ in samples])

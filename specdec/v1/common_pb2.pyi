@@ -21,6 +21,7 @@ class TargetOnlyReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TARGET_ONLY_REASON_DRAFT_REFUSED: _ClassVar[TargetOnlyReason]
     TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT: _ClassVar[TargetOnlyReason]
     TARGET_ONLY_REASON_AUTO_LOW_GAIN: _ClassVar[TargetOnlyReason]
+    TARGET_ONLY_REASON_AUTO_NOT_OPENED: _ClassVar[TargetOnlyReason]
 
 class AutoChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ class AutoChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTO_CHOICE_PROBE: _ClassVar[AutoChoice]
     AUTO_CHOICE_LOAD: _ClassVar[AutoChoice]
     AUTO_CHOICE_SCHEDULE: _ClassVar[AutoChoice]
+    AUTO_CHOICE_NOT_OPENED: _ClassVar[AutoChoice]
 
 class ClosingToken(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +57,7 @@ TARGET_ONLY_REASON_DRAFT_TIMED_OUT: TargetOnlyReason
 TARGET_ONLY_REASON_DRAFT_REFUSED: TargetOnlyReason
 TARGET_ONLY_REASON_AUTO_SHORT_OUTPUT: TargetOnlyReason
 TARGET_ONLY_REASON_AUTO_LOW_GAIN: TargetOnlyReason
+TARGET_ONLY_REASON_AUTO_NOT_OPENED: TargetOnlyReason
 AUTO_CHOICE_UNSPECIFIED: AutoChoice
 AUTO_CHOICE_SHORT_OUTPUT: AutoChoice
 AUTO_CHOICE_BEST_K: AutoChoice
@@ -62,6 +65,7 @@ AUTO_CHOICE_LOW_GAIN: AutoChoice
 AUTO_CHOICE_PROBE: AutoChoice
 AUTO_CHOICE_LOAD: AutoChoice
 AUTO_CHOICE_SCHEDULE: AutoChoice
+AUTO_CHOICE_NOT_OPENED: AutoChoice
 CLOSING_TOKEN_UNSPECIFIED: ClosingToken
 CLOSING_TOKEN_CORRECTION: ClosingToken
 CLOSING_TOKEN_BONUS: ClosingToken
