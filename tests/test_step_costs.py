@@ -43,9 +43,10 @@ def test_a_longer_context_costs_per_session_and_per_row() -> None:
     forward the chooser weighs; served forwards at that context keep the scale at 1."""
     per_session, per_row = 0.5e-6, 0.15e-6  # seconds per further context token
     longer = {(s, p): GRID[s, p] + (per_session * s + per_row * s * p) * 384 for s, p in ((1, 1), (4, 1), (4, 4))}
-    context = ContextCost.fitted(128, GRID, 512, longer)
+    slower = {shape: seconds / GRID[shape] for shape, seconds in longer.items()}
+    context = ContextCost.fitted(128, GRID, 512, slower)
     assert (context.per_session, context.per_row) == pytest.approx((per_session, per_row))
-    assert ContextCost.fitted(128, GRID, 128, longer) == ContextCost(128)  # no longer context measured: no term
+    assert ContextCost.fitted(128, GRID, 128, slower) == ContextCost(128)  # no longer context measured: no term
     costs = ServedStepCosts(GRID, context)
     assert costs.forward(4, 16, context=128) == pytest.approx(0.012)
     assert costs.forward(4, 16, context=512) == pytest.approx(longer[4, 4])

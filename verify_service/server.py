@@ -244,7 +244,7 @@ def serve(config: VerifyConfig, probe: HostProbe) -> int:
     slower = decoder.loop.call(lambda: context_ratios(model, sessions[-1], shapes, short, longer, repeats=5))
     grid = ServedStepCosts(batch_s) if batch_s else None
     base = {} if grid is None else {(s, p): grid.forward(s, s * p) for s, p in slower}
-    context = ContextCost.fitted(short, base, longer, {shape: base[shape] * slower[shape] for shape in base})
+    context = ContextCost.fitted(short, base, longer, slower)
     auto.calibrate(forward_s, batch_s, context)
     log.info(
         "measured the target's forward for AUTO mode in %.2f s: over 1..%d positions (ms: %s); "

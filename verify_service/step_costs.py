@@ -23,6 +23,7 @@ from specdec.batch_gain import StepCosts, lower_hull
 
 WINDOW = 32  # recent steps each measured cost is taken over
 MIN_DRAFT_SAMPLES = 3  # steps with proposals before the draft's cost is trusted
+MIN_REST_SAMPLES = 3  # target-only steps before their rest stands for every step's
 
 
 def _along(points: list[tuple[int, float]], x: np.ndarray) -> np.ndarray:
@@ -49,14 +50,15 @@ class ContextCost:
     @classmethod
     def fitted(
         cls, context: int, forward_s: Mapping[tuple[int, int], float], longer: int,
-        longer_s: Mapping[tuple[int, int], float],
+        slower: Mapping[tuple[int, int], float],
     ) -> ContextCost:  # fmt: skip
-        """From forwards by (sessions, positions each) at `context` and the same shapes at `longer`."""
-        shapes = [shape for shape in longer_s if shape in forward_s]
+        """From forwards' seconds by (sessions, positions each) at `context` and how many
+        times slower the same shapes run at `longer`."""
+        shapes = [shape for shape in slower if shape in forward_s]
         if longer <= context or not shapes:
             return cls(context)
         x = np.array([(s, s * p) for s, p in shapes], dtype=float) * (longer - context)
-        y = np.array([longer_s[shape] - forward_s[shape] for shape in shapes])
+        y = np.array([forward_s[shape] * (slower[shape] - 1.0) for shape in shapes])
         (per_session, per_row), *_ = np.linalg.lstsq(x, y, rcond=None)
         return cls(context, max(0.0, float(per_session)), max(0.0, float(per_row)))
 
@@ -147,7 +149,7 @@ class ServedStepCosts:
             self._rest.append(sample)
 
     def _rest_measured(self) -> bool:
-        return len(self._rest) >= MIN_DRAFT_SAMPLES
+        return len(self._rest) >= MIN_REST_SAMPLES
 
     def rest(self, sessions: int) -> float:
         """A step's rest at `sessions` rounds, the draft's part aside: from target-only steps
